@@ -1,0 +1,41 @@
+# rltune: two commands matter. `make demo` sets up and runs the tuner on the CPU preset;
+# `make test` sets up and runs the tests that need neither a GPU nor a long time.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# On a machine without CUDA, take the CPU build of torch (it lies on disk here) instead of
+# downloading a multi-GB CUDA build; pip's find-links picks the local wheel.
+TORCH_PIN ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo "torch==2.13.0")
+
+.PHONY: setup test test-gpu test-all lint demo bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip >/dev/null 2>&1 || true
+	$(BIN)/pip install -q $(TORCH_PIN) -e '.[test,bench]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not gpu and not slow" -p no:cacheprovider
+
+test-all: $(STAMP)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not gpu" -p no:cacheprovider
+
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -m gpu -p no:cacheprovider
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+demo: $(STAMP)
+	$(BIN)/rltune auto presets/cpu-demo.yaml --rounds 3 --workdir runs/demo
+
+bench: $(STAMP)
+	$(BIN)/python bench/run_all.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,45 @@
+"""candidates.yaml: complete setups composed from knowledge-base fixes, each with its rationale."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from rltune.contracts.job import KnobValue
+from rltune.contracts.schema import FieldProblem, dump_yaml, field, load_yaml
+
+CANDIDATES_SCHEMA_VERSION = 1
+
+
+@dataclass
+class Candidate:
+    id: str = field(doc="candidate id, unique in the file (e.g. 'r1-c3')")
+    fixes: list[str] = field(doc="fix ids combined")
+    overrides: dict[str, KnobValue] = field(doc="abstract knob -> value, relative to the baseline")
+    rationale: str = field(doc="why this setup: which bottleneck each fix targets")
+    needs: list[str] = field(default_factory=list, doc="resources beyond the budget")
+
+
+@dataclass
+class Candidates:
+    schema_version: int = field(doc="version of this schema (1)")
+    job: str = field(doc="path of the job.yaml the candidates apply to")
+    baseline_run: str = field(doc="run id of the profiled baseline")
+    baseline_knobs: dict[str, KnobValue] = field(doc="knob values of the baseline")
+    limiting_stage: str = field(doc="bottleneck the candidates target")
+    candidates: list[Candidate] = field(doc="composed setups")
+
+    def validate(self) -> None:
+        seen = set()
+        for i, c in enumerate(self.candidates):
+            if c.id in seen:
+                raise FieldProblem(f"candidates[{i}].id", f"duplicate candidate id {c.id!r}")
+            seen.add(c.id)
+
+
+def load_candidates(path: str | Path) -> Candidates:
+    return load_yaml(Candidates, path, CANDIDATES_SCHEMA_VERSION)
+
+
+def save_candidates(candidates: Candidates, path: str | Path) -> None:
+    dump_yaml(candidates, path)

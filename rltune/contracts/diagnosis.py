@@ -1,0 +1,52 @@
+"""diagnosis.yaml: what limits a run's step, per-stage medians, and the problems found."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from rltune.contracts.job import RlMode
+from rltune.contracts.schema import dump_yaml, field, load_yaml
+
+DIAGNOSIS_SCHEMA_VERSION = 1
+
+
+@dataclass
+class StageSummary:
+    median_s: float = field(doc="median over the non-warm-up steps")
+    p10_s: float = field(doc="10th percentile")
+    p90_s: float = field(doc="90th percentile")
+
+
+@dataclass
+class Problem:
+    id: str = field(doc="stable problem id; knowledge.yaml refers to it (e.g. 'trainer_underbusy')")
+    stage: Literal["rollout", "training", "weight_sync", "step"] = field(doc="stage the problem slows")
+    component: Literal["trainer", "engine", "sandbox", "sync", "orchestrator"] = field(doc="part of the loop it lives in")
+    summary: str = field(doc="one line for a person")
+    severity: float = field(doc="estimated seconds per step it costs (0 if unknown)", min=0)
+    evidence: dict[str, Any] = field(default_factory=dict, doc="the measured values that show it")
+
+
+@dataclass
+class Diagnosis:
+    schema_version: int = field(doc="version of this schema (1)")
+    run_id: str = field(doc="run diagnosed")
+    source: str = field(doc="log format the stage table came from")
+    rl_mode: RlMode = field(doc="RL mode used to combine stages")
+    steps_used: list[int] = field(doc="the steps medians are taken over")
+    step_median_s: float = field(doc="median measured step time")
+    step_model_s: float = field(doc="step time the RL-mode rule gives from the stage medians")
+    limiting_stage: str = field(doc="'rollout', 'training', 'weight_sync', or 'training+weight_sync'")
+    stages: dict[str, StageSummary] = field(doc="per-column summary of every measured column")
+    problems: list[Problem] = field(default_factory=list, doc="problems found, worst first")
+    job: str | None = field(None, doc="resolved job.yaml of the run, if rltune launched it")
+
+
+def load_diagnosis(path: str | Path) -> Diagnosis:
+    return load_yaml(Diagnosis, path, DIAGNOSIS_SCHEMA_VERSION)
+
+
+def save_diagnosis(diagnosis: Diagnosis, path: str | Path) -> None:
+    dump_yaml(diagnosis, path)

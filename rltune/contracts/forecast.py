@@ -1,0 +1,57 @@
+"""forecast.yaml: per candidate, forecast stage times, step time, range and how they were made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from rltune.contracts.job import KnobValue
+from rltune.contracts.schema import FieldProblem, dump_yaml, field, load_yaml
+
+FORECAST_SCHEMA_VERSION = 1
+
+
+@dataclass
+class CaseWeight:
+    run_id: str = field(doc="case used")
+    weight: float = field(doc="normalised weight (weights of one forecast sum to 1)", min=0, max=1)
+    distance: float = field(0.0, doc="similarity distance to the target", min=0)
+
+
+@dataclass
+class CandidateForecast:
+    candidate: str = field(doc="candidate id ('baseline' for the baseline itself)")
+    overrides: dict[str, KnobValue] = field(doc="the candidate's overrides, copied so trial needs no other file")
+    stages_s: dict[str, float] = field(doc="forecast seconds per stage: rollout, training, weight_sync (+ others)")
+    step_s: float = field(doc="forecast step time under the candidate's RL mode", min=0)
+    range_s: list[float] = field(doc="[low, high] forecast range of the step time")
+    limiting_stage: str = field(doc="stage forecast to limit the step")
+    method: Literal["anchor", "similar", "theory"] = field(doc="how it was made")
+    rl_mode: str = field(doc="RL mode the stages were combined under")
+    cases: list[CaseWeight] = field(default_factory=list, doc="cases used and their weights")
+    uncertain: list[str] = field(default_factory=list, doc="differing settings neither measurements nor theory could estimate")
+    gain_pct: float = field(0.0, doc="forecast % faster than the baseline (negative: slower)")
+    worth_trial: bool = field(False, doc="forecast at least limits.min_forecast_gain_pct faster")
+
+    def validate(self) -> None:
+        if len(self.range_s) != 2 or self.range_s[0] > self.range_s[1]:
+            raise FieldProblem("range_s", f"expected [low, high] with low <= high, found {self.range_s}")
+
+
+@dataclass
+class Forecast:
+    schema_version: int = field(doc="version of this schema (1)")
+    job: str = field(doc="path of the job.yaml")
+    candidates_file: str = field(doc="candidates.yaml the forecasts were made for")
+    library: str = field(doc="case library used")
+    baseline_step_s: float = field(doc="measured (or forecast) baseline step time", min=0)
+    forecasts: list[CandidateForecast] = field(doc="ranked fastest first")
+
+
+def load_forecast(path: str | Path) -> Forecast:
+    return load_yaml(Forecast, path, FORECAST_SCHEMA_VERSION)
+
+
+def save_forecast(forecast: Forecast, path: str | Path) -> None:
+    dump_yaml(forecast, path)

@@ -1,0 +1,150 @@
+"""job.yaml: everything rltune needs to know about one RL job, in one versioned file.
+
+A job is one model on one workload with a fixed GPU budget. The file says what the model and the
+workload are (the theory model and the case library's similarity both read these facts), the RL
+mode, the baseline knob values, how to launch the job with overrides, where its metrics come from,
+and the limits a tuned setup must keep.
+
+Knobs are *abstract* names shared with the knowledge base (``micro_batch_size``,
+``rl_mode``, ...). ``launch.knob_map`` says which override key of the job's own config dialect each
+abstract knob sets; ``launch.dialect`` says how an override is spelled on the command line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from rltune.contracts.schema import FieldProblem, dump_yaml, field, load_yaml
+
+JOB_SCHEMA_VERSION = 1
+
+RlMode = Literal["sync", "one_step_async", "fully_async"]
+RL_MODES = ("sync", "one_step_async", "fully_async")
+Dialect = Literal["rltune", "hydra", "prime-rl", "argparse"]
+LogFormat = Literal["auto", "rltune", "verl", "prime-rl", "slime", "openrlhf", "trl", "nemo-rl"]
+KnobValue = int | float | str | bool
+
+
+@dataclass
+class ModelSpec:
+    name: str = field(doc="model name, e.g. 'Qwen3-0.6B' or 'qwen3-tiny'")
+    total_params: float = field(doc="total parameters", min=1)
+    active_params: float = field(doc="parameters active per token (= total for dense models)", min=1)
+    layers: int = field(doc="transformer layers", min=1)
+    hidden: int = field(doc="hidden size", min=1)
+    kv_heads: int = field(doc="key/value heads", min=1)
+    head_dim: int = field(doc="dimension of one attention head", min=1)
+    dtype: Literal["bf16", "fp16", "fp32", "fp8"] = field("bf16", doc="weight dtype the engines serve")
+    moe: bool = field(False, doc="mixture-of-experts model")
+
+    def validate(self) -> None:
+        if self.active_params > self.total_params:
+            raise FieldProblem("active_params", f"must not exceed total_params ({self.total_params:g})")
+
+
+@dataclass
+class WorkloadSpec:
+    kind: Literal["math", "coding", "tool_use"] = field(doc="math (single turn, verifier) or multi-turn tool use")
+    tasks_per_batch: int = field(doc="tasks in one batch", min=1)
+    trials_per_task: int = field(doc="trials (samples) per task; GRPO compares within this group", min=1)
+    answer_cap_tokens: int = field(doc="max generated tokens per model turn", min=1)
+    context_limit_tokens: int = field(doc="max tokens of a whole trial", min=1)
+    trial_timeout_s: float | None = field(None, doc="a trial is cut off after this many seconds (null: never)", min=0)
+    temperature: float = field(1.0, doc="sampling temperature", min=0)
+
+
+@dataclass
+class GpuBudget:
+    count: int = field(doc="GPUs the job may use in total (0: CPU only)", min=0)
+    device: str = field("H200", doc="accelerator kind, e.g. 'H200', 'B300' or 'cpu'")
+    trainer: int = field(0, doc="GPUs given to the trainer in the baseline", min=0)
+    rollout: int = field(0, doc="GPUs given to rollout engines in the baseline", min=0)
+    cpu_hosts: int = field(0, doc="extra CPU hosts for sandboxes", min=0)
+
+    def validate(self) -> None:
+        if self.trainer + self.rollout > self.count:
+            raise FieldProblem("trainer", f"trainer + rollout GPUs ({self.trainer + self.rollout}) exceed count ({self.count})")
+
+
+@dataclass
+class LaunchSpec:
+    command: list[str] = field(doc="argv of the job, no shell; '{run_dir}' and '{steps}' are filled in")
+    launcher: Literal["local", "torchrun", "slurm"] = field("local", doc="how the argv is started")
+    dialect: Dialect = field("rltune", doc="how an override is spelled: rltune/hydra 'a.b=v', prime-rl '--a.b v', argparse '--flag v'")
+    knob_map: dict[str, str] = field(default_factory=dict, doc="abstract knob -> the job's own override key")
+    steps_override: str | None = field(None, doc="override key that sets the number of steps (e.g. 'trainer.total_steps')")
+    workdir: str = field(".", doc="working directory, relative to job.yaml")
+    env: dict[str, str] = field(default_factory=dict, doc="extra environment variables")
+    timeout_s: float = field(1800.0, doc="wall-clock limit of one run; a run past it is killed and recorded as failed", min=1)
+    nproc_per_node: int = field(1, doc="torchrun: processes per node", min=1)
+    slurm_args: list[str] = field(default_factory=list, doc="slurm: extra srun arguments")
+
+
+@dataclass
+class MetricsSpec:
+    format: LogFormat = field("rltune", doc="log format of the metrics file")
+    path: str = field("{run_dir}/metrics.jsonl", doc="where the job writes its metrics; '{run_dir}' is filled in")
+    vllm_metrics_url: str | None = field(None, doc="a vLLM /metrics endpoint to scrape during the run")
+
+
+@dataclass
+class Limits:
+    noise_pct: float = field(4.0, doc="run-to-run noise of step time in %; a trial must beat the baseline by more", min=0)
+    recheck_below_pct: float | None = field(None, doc="a gain smaller than this is measured again before deciding (default 2 x noise)", min=0)
+    gap_ratio_max: float = field(2.0, doc="trainer-rollout gap may grow to this multiple of the untuned baseline's", min=1)
+    sample_age_mean_max: float = field(3.0, doc="cap on the mean sample age, in weight versions", min=0)
+    sample_age_max: int = field(8, doc="no sample may be older than this many weight versions", min=0)
+    steps: int = field(10, doc="steps a trial runs", min=1)
+    warmup_steps: int = field(2, doc="first steps kept in the table but left out of medians", min=0)
+    min_forecast_gain_pct: float = field(5.0, doc="only candidates forecast at least this much faster are run", min=0)
+
+    def validate(self) -> None:
+        if self.warmup_steps >= self.steps:
+            raise FieldProblem("warmup_steps", f"must be smaller than steps ({self.steps})")
+
+
+@dataclass
+class JobSpec:
+    schema_version: int = field(doc="version of this schema (1)")
+    name: str = field(doc="job name; cases from runs of the same name, model, workload and mode anchor each other")
+    model: ModelSpec = field(doc="model facts")
+    workload: WorkloadSpec = field(doc="workload facts")
+    gpus: GpuBudget = field(doc="the fixed GPU budget")
+    launch: LaunchSpec = field(doc="how to run the job")
+    knobs: dict[str, KnobValue] = field(default_factory=dict, doc="baseline value of every abstract knob the tuner may move; 'rl_mode' is one (sync | one_step_async | fully_async)")
+    metrics: MetricsSpec = field(default_factory=MetricsSpec, doc="where the metrics come from")
+    limits: Limits = field(default_factory=Limits, doc="acceptance limits, fixed before any trial")
+
+    @property
+    def rl_mode(self) -> str:
+        """The baseline RL mode (knob ``rl_mode``, default ``sync``)."""
+        return str(self.knobs.get("rl_mode", "sync"))
+
+    def validate(self) -> None:
+        if self.rl_mode not in RL_MODES:
+            raise FieldProblem("knobs.rl_mode", f"expected one of {', '.join(RL_MODES)}, found {self.rl_mode!r}")
+        for knob in self.launch.knob_map:
+            if knob not in self.knobs:
+                raise FieldProblem(f"launch.knob_map.{knob}", "maps a knob with no baseline value; add it under 'knobs'")
+
+
+def load_job(path: str | Path) -> JobSpec:
+    """Read and validate a job.yaml."""
+    return load_yaml(JobSpec, path, JOB_SCHEMA_VERSION)
+
+
+def save_job(job: JobSpec, path: str | Path) -> None:
+    dump_yaml(job, path)
+
+
+def job_identity(job: JobSpec) -> dict[str, Any]:
+    """The facts that make two runs 'the same job' for anchoring."""
+    return {
+        "job": job.name,
+        "model": job.model.name,
+        "workload": job.workload.kind,
+        "gpus": job.gpus.count,
+        "device": job.gpus.device,
+    }
