@@ -14,10 +14,16 @@ CANDIDATES_SCHEMA_VERSION = 1
 @dataclass
 class Candidate:
     id: str = field(doc="candidate id, unique in the file (e.g. 'r1-c3')")
-    fixes: list[str] = field(doc="fix ids combined")
-    overrides: dict[str, KnobValue] = field(doc="abstract knob -> value, relative to the baseline")
+    fixes: list[str] = field(doc="fix ids combined; the first is the main change (the savings matrix counts the candidate under its group)")
+    overrides: dict[str, KnobValue] = field(doc="abstract knob -> new absolute value, for the knobs that differ from the baseline")
     rationale: str = field(doc="why this setup: which bottleneck each fix targets")
     needs: list[str] = field(default_factory=list, doc="resources beyond the budget")
+    targets: list[str] = field(default_factory=list, doc="problem ids the setup fixes")
+    risks: list[str] = field(default_factory=list, doc="acceptance limits the setup's fixes may break")
+
+    def validate(self) -> None:
+        if not self.fixes:
+            raise FieldProblem("fixes", "a candidate combines at least one fix")
 
 
 @dataclass
@@ -28,6 +34,10 @@ class Candidates:
     baseline_knobs: dict[str, KnobValue] = field(doc="knob values of the baseline")
     limiting_stage: str = field(doc="bottleneck the candidates target")
     candidates: list[Candidate] = field(doc="composed setups")
+    next_stage: str | None = field(None, doc="stage expected to limit the step once the bottleneck is fixed")
+    baseline_dir: str | None = field(None, doc="run directory of the baseline (its stages.parquet times the trial's comparison)")
+    untuned_dir: str | None = field(None, doc="run directory of the untuned baseline (its gap sets the gap limit); default baseline_dir")
+    unfixed: list[str] = field(default_factory=list, doc="problems found that no applicable fix addresses")
 
     def validate(self) -> None:
         seen = set()

@@ -1,10 +1,23 @@
-"""knowledge.yaml: for each problem profiling can find, the fixes that have worked and when."""
+"""knowledge.yaml: for each problem profiling can find, the fixes that have worked and when.
+
+A fix sets *abstract* knobs (``micro_batch_size``, ``rl_mode``, ...); each job maps the knobs it can
+express to its own config keys (job.yaml ``launch.knob_map``), and ``knobs.<name>.keys`` records the
+usual key of that knob in common frameworks as a hint for writing a knob_map.
+
+An override value is either a literal or a relative change of the current value, written as a
+string: ``'*2'``, ``'/2'``, ``'+1'``, ``'-1'`` (clamped to the knob's ``min``/``max``).
+
+A condition (``applies_when``) is one comparison ``NAME OP VALUE``: NAME is a knob or a job fact
+(``workload.kind``, ``model.moe``, ``gpus.count``, ...), OP is one of ``== != < <= > >= in``, VALUE
+is a YAML scalar or, for ``in``, a YAML list: ``workload.kind in [coding, tool_use]``.
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from rltune.contracts.job import KnobValue
 from rltune.contracts.schema import FieldProblem, dump_yaml, field, load_yaml
@@ -14,12 +27,54 @@ KNOWLEDGE_SCHEMA_VERSION = 1
 TheoryTerm = Literal["training", "rollout", "weight_sync", "sandbox", "old_logprob", "step"]
 LimitName = Literal["gap", "sample_age", "trials_cut_off", "trials_failed", "memory", "reward"]
 
+_CONDITION = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(==|!=|<=|>=|<|>|\bin\b)\s*(.+?)\s*$")
+_RELATIVE = re.compile(r"^([*/+-])\s*(\d+(?:\.\d+)?)$")
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One parsed ``applies_when`` comparison."""
+
+    name: str
+    op: str
+    value: Any
+
+
+def parse_condition(text: str) -> Condition:
+    """Parse ``'NAME OP VALUE'``; raise ValueError with what is wrong."""
+    import yaml
+
+    match = _CONDITION.match(text)
+    if not match:
+        raise ValueError(f"cannot read condition {text!r}; write 'NAME OP VALUE', OP one of == != < <= > >= in")
+    name, op, raw = match.groups()
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        raise ValueError(f"cannot read the value of condition {text!r}") from None
+    if op == "in" and not isinstance(value, list):
+        raise ValueError(f"condition {text!r}: 'in' needs a list, e.g. [a, b]")
+    if op in ("<", "<=", ">", ">=") and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ValueError(f"condition {text!r}: {op} needs a number")
+    return Condition(name, op, value)
+
+
+def parse_relative(value: KnobValue) -> tuple[str, float] | None:
+    """``'*2'`` -> ('*', 2.0); a literal value -> None."""
+    if not isinstance(value, str):
+        return None
+    match = _RELATIVE.match(value.strip())
+    return (match.group(1), float(match.group(2))) if match else None
+
 
 @dataclass
 class KnobInfo:
     description: str = field(doc="what the knob does")
     type: Literal["int", "float", "bool", "str"] = field(doc="value type")
     choices: list[KnobValue] | None = field(None, doc="allowed values, if a fixed set")
+    min: float | None = field(None, doc="smallest value a relative override may reach")
+    max: float | None = field(None, doc="largest value a relative override may reach")
+    keys: dict[str, str] = field(default_factory=dict, doc="framework -> its usual config key for this knob (a hint for launch.knob_map)")
 
 
 @dataclass
@@ -27,13 +82,17 @@ class Fix:
     id: str = field(doc="stable fix id")
     title: str = field(doc="one line for a person")
     problems: list[str] = field(doc="problem ids this fix addresses")
-    overrides: dict[str, KnobValue] = field(doc="abstract knob -> value; a string '*2' or '/2' scales the current value")
+    overrides: dict[str, KnobValue] = field(doc="abstract knob -> value; a string '*2', '/2', '+1' or '-1' changes the current value")
+    group: str = field("other", doc="technique group the savings matrix counts it under (e.g. 'async', 'trainer', 'engine')")
     applies_when: list[str] = field(default_factory=list, doc="conditions on knobs or job facts, e.g. 'rl_mode != fully_async', 'workload.kind == coding'")
     conflicts: list[str] = field(default_factory=list, doc="fix ids this fix cannot be combined with")
     needs: list[str] = field(default_factory=list, doc="resources it needs beyond the budget, e.g. 'extra_cpu_host'")
     moves: list[TheoryTerm] = field(default_factory=list, doc="theory terms the fix changes")
     risks: list[LimitName] = field(default_factory=list, doc="acceptance limits it may break")
     source: str = field("", doc="where the practice comes from (seed, verl, prime-rl, vLLM docs)")
+
+    def conditions(self) -> list[Condition]:
+        return [parse_condition(c) for c in self.applies_when]
 
 
 @dataclass
@@ -48,15 +107,46 @@ class Knowledge:
         for i, fix in enumerate(self.fixes):
             if ids.count(fix.id) > 1:
                 raise FieldProblem(f"fixes[{i}].id", f"duplicate fix id {fix.id!r}")
+            if not fix.problems:
+                raise FieldProblem(f"fixes[{i}].problems", "a fix must address at least one problem")
             for p in fix.problems:
                 if p not in self.problems:
                     raise FieldProblem(f"fixes[{i}].problems", f"unknown problem {p!r}; define it under 'problems'")
-            for knob in fix.overrides:
+            if not fix.overrides:
+                raise FieldProblem(f"fixes[{i}].overrides", "a fix must set at least one knob")
+            for knob, value in fix.overrides.items():
                 if knob not in self.knobs:
                     raise FieldProblem(f"fixes[{i}].overrides.{knob}", "unknown knob; define it under 'knobs'")
+                self._check_value(f"fixes[{i}].overrides.{knob}", self.knobs[knob], value)
+            for j, text in enumerate(fix.applies_when):
+                try:
+                    parse_condition(text)
+                except ValueError as exc:
+                    raise FieldProblem(f"fixes[{i}].applies_when[{j}]", str(exc)) from None
             for other in fix.conflicts:
                 if other not in ids:
                     raise FieldProblem(f"fixes[{i}].conflicts", f"unknown fix {other!r}")
+                if other == fix.id:
+                    raise FieldProblem(f"fixes[{i}].conflicts", "a fix cannot conflict with itself")
+
+    @staticmethod
+    def _check_value(where: str, info: KnobInfo, value: KnobValue) -> None:
+        relative = parse_relative(value)
+        if relative is not None:
+            if info.type not in ("int", "float"):
+                raise FieldProblem(where, f"relative change {value!r} needs a numeric knob, this one is {info.type}")
+            return
+        expected = {"int": int, "float": (int, float), "bool": bool, "str": str}[info.type]
+        if isinstance(value, bool) != (info.type == "bool") or not isinstance(value, expected):
+            raise FieldProblem(where, f"expected a {info.type} value (or '*2', '/2', '+1', '-1'), found {value!r}")
+        if info.choices is not None and value not in info.choices:
+            raise FieldProblem(where, f"expected one of {info.choices}, found {value!r}")
+
+    def fix(self, fix_id: str) -> Fix:
+        for f in self.fixes:
+            if f.id == fix_id:
+                return f
+        raise KeyError(fix_id)
 
 
 def load_knowledge(path: str | Path) -> Knowledge:

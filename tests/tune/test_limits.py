@@ -1,0 +1,97 @@
+"""Acceptance limits compare like with like and hold every limit, with the seed's thresholds."""
+
+from __future__ import annotations
+
+import pytest
+
+from rltune.contracts.job import Limits
+from rltune.tune.limits import GAP_NOISE_FLOOR, comparable_steps, judge, recheck_threshold
+
+
+def run(step_times, warmup=1, first=0, **columns):
+    rows = []
+    for i, t in enumerate(step_times):
+        row = {"step": first + i, "warmup": i < warmup, "step_s": t}
+        for name, values in columns.items():
+            row[name] = values[i] if isinstance(values, list) else values
+        rows.append(row)
+    return rows
+
+
+def check(judgement, name):
+    return next(c for c in judgement.checks if c.name == name)
+
+
+def test_steps_compared_are_the_shared_non_warmup_ones():
+    base = run([9.0, 1.0, 1.0, 1.0, 1.0])                     # steps 1-4 measured
+    cand = run([9.0, 0.5, 0.5, 0.5], first=1)                # steps 2-4 measured (1 is warm-up)
+    assert comparable_steps(base, cand) == [2, 3, 4]
+    j = judge(Limits(), base, cand, base)
+    assert j.steps == [2, 3, 4] and j.gain_pct == pytest.approx(50.0)
+
+
+def test_a_slow_step_outside_the_shared_steps_does_not_count():
+    base = run([1.0, 1.0, 1.0, 1.0, 100.0])                  # step 4 only in the baseline
+    cand = run([1.0, 0.9, 0.9, 0.9])
+    j = judge(Limits(noise_pct=4), base, cand, base)
+    assert j.baseline_step_s == 1.0 and j.step_s == 0.9
+    assert check(j, "speed").passed and j.gain_pct == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize("cand_step, noise, passed", [(0.95, 4.0, True), (0.96, 4.0, False), (0.97, 4.0, False),
+                                                      (0.8, 15.0, True), (0.86, 15.0, False), (1.2, 4.0, False)])
+def test_speed_must_beat_noise(cand_step, noise, passed):
+    j = judge(Limits(noise_pct=noise), run([1.0] * 5), run([1.0] + [cand_step] * 4), run([1.0] * 5))
+    assert check(j, "speed").passed is passed
+    assert check(j, "speed").threshold == noise
+
+
+def test_gap_ratio_against_the_untuned_baseline():
+    untuned = run([1.0] * 4, gap=0.01)
+    base = run([1.0] * 4, gap=0.015)
+    ok = judge(Limits(gap_ratio_max=2.0), base, run([1.0] + [0.5] * 3, gap=0.02), untuned)
+    bad = judge(Limits(gap_ratio_max=1.25), base, run([1.0] + [0.5] * 3, gap=0.0126), untuned)
+    assert check(ok, "gap").passed and check(ok, "gap").threshold == pytest.approx(0.02)
+    assert not check(bad, "gap").passed and check(bad, "gap").threshold == pytest.approx(0.0125)
+    assert not bad.passed and bad.failed_names() == ["gap"]
+
+
+def test_tiny_gaps_are_held_to_the_noise_floor():
+    untuned = run([1.0] * 4, gap=1e-7)
+    j = judge(Limits(gap_ratio_max=2.0), untuned, run([1.0] + [0.5] * 3, gap=5e-7), untuned)
+    assert check(j, "gap").threshold == pytest.approx(2 * GAP_NOISE_FLOOR) and check(j, "gap").passed
+
+
+def test_missing_gap_in_trial_fails_when_the_untuned_run_had_one():
+    untuned = run([1.0] * 4, gap=0.01)
+    j = judge(Limits(), untuned, run([1.0] + [0.5] * 3), untuned)
+    assert not check(j, "gap").passed
+
+
+def test_sample_age_mean_and_max():
+    base = run([1.0] * 4)
+    young = judge(Limits(), base, run([1.0] + [0.5] * 3, sample_age_mean=2.5, sample_age_max=8), base)
+    old_mean = judge(Limits(), base, run([1.0] + [0.5] * 3, sample_age_mean=3.5, sample_age_max=4), base)
+    too_old = judge(Limits(), base, run([1.0] + [0.5] * 3, sample_age_mean=1.0, sample_age_max=[0, 1, 9, 2]), base)
+    assert young.passed
+    assert old_mean.failed_names() == ["sample_age_mean"]
+    assert too_old.failed_names() == ["sample_age_max"] and check(too_old, "sample_age_max").value == 9
+
+
+def test_trial_shares_no_higher_than_baseline():
+    base = run([1.0] * 4, trials_total=32, trials_cut_off=1, trials_failed=0)
+    same = judge(Limits(), base, run([1.0] + [0.5] * 3, trials_total=32, trials_cut_off=1, trials_failed=0), base)
+    worse = judge(Limits(), base, run([1.0] + [0.5] * 3, trials_total=32, trials_cut_off=1, trials_failed=[0, 0, 1, 0]), base)
+    assert same.passed
+    assert worse.failed_names() == ["trials_failed"]
+    assert check(worse, "trials_failed").value == pytest.approx(1 / 96)
+
+
+def test_no_shared_step_fails_speed():
+    j = judge(Limits(), run([1.0, 1.0]), run([1.0], warmup=1), run([1.0, 1.0]))
+    assert j.steps == [] and not j.passed and check(j, "speed").value is None
+
+
+def test_recheck_threshold_defaults_to_twice_noise():
+    assert recheck_threshold(Limits(noise_pct=4)) == 8
+    assert recheck_threshold(Limits(noise_pct=4, recheck_below_pct=5)) == 5
