@@ -1,0 +1,135 @@
+"""Launch one job from its job.yaml with abstract-knob overrides: the argv, the run, the resolved job.
+
+:func:`run_job` fills ``{run_dir}`` and ``{steps}`` into ``launch.command``, appends the step-count
+override and every knob override, translated through ``launch.knob_map`` and spelled in
+``launch.dialect``, wraps the argv in the launcher, writes the resolved job.yaml (knobs with the
+overrides applied, absolute working directory) into the run directory, and runs the job there in
+its own process group (see :mod:`rltune.launch.process`). A crash is not an exception here: it comes
+back as a non-zero :attr:`LaunchResult.returncode`; callers decide.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rltune.contracts.job import JobSpec, KnobValue, save_job
+from rltune.errors import LaunchError
+from rltune.launch.dialects import render_overrides
+from rltune.launch.launchers import launcher_argv
+from rltune.launch.process import run_process, tail
+
+LOG_NAME = "launch.log"
+RESULT_NAME = "launch.json"
+JOB_NAME = "job.yaml"
+
+
+class UnmappedKnobError(LaunchError):
+    """An override names an abstract knob the job's launch.knob_map does not translate."""
+
+
+@dataclass
+class LaunchResult:
+    argv: list[str]
+    returncode: int
+    timed_out: bool
+    wall_s: float
+    log_path: Path
+    run_dir: Path
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+    def log_tail(self, n: int = 20) -> str:
+        """The last ``n`` lines of the job's combined stdout/stderr."""
+        return tail(self.log_path, n)
+
+
+def _fill(text: str, run_dir: Path, steps: int) -> str:
+    # str.replace, not str.format: other braces in the argv (JSON values, hydra interpolations) stay as they are.
+    return text.replace("{run_dir}", str(run_dir)).replace("{steps}", str(steps))
+
+
+def resolve_overrides(job: JobSpec, job_path: Path, overrides: Mapping[str, KnobValue] | None,
+                      steps: int | None) -> dict[str, KnobValue]:
+    """The job's own override keys and values: step count first, then knobs in the order given."""
+    resolved: dict[str, KnobValue] = {}
+    if steps is not None and job.launch.steps_override:
+        resolved[job.launch.steps_override] = int(steps)
+    for knob, value in (overrides or {}).items():
+        key = job.launch.knob_map.get(knob)
+        if key is None:
+            known = ", ".join(sorted(job.launch.knob_map)) or "none"
+            raise UnmappedKnobError(f"{job_path}: launch.knob_map: no entry for knob {knob!r} (mapped: {known}); "
+                                    f"add '{knob}: <the job's config key>' under launch.knob_map")
+        resolved[key] = value
+    return resolved
+
+
+def build_argv(job: JobSpec, job_path: Path, run_dir: Path, overrides: Mapping[str, KnobValue] | None = None,
+               steps: int | None = None) -> list[str]:
+    """The complete argv :func:`run_job` would start (launcher included)."""
+    n_steps = int(steps if steps is not None else job.limits.steps)
+    command = [_fill(part, run_dir, n_steps) for part in job.launch.command]
+    command += render_overrides(job.launch.dialect, resolve_overrides(job, job_path, overrides, steps))
+    return launcher_argv(job.launch.launcher, command, nproc_per_node=job.launch.nproc_per_node,
+                         slurm_args=list(job.launch.slurm_args))
+
+
+def resolved_job(job: JobSpec, job_path: Path, overrides: Mapping[str, KnobValue] | None = None,
+                 steps: int | None = None) -> JobSpec:
+    """A copy of ``job`` as it runs: knobs with the overrides applied, steps set, absolute workdir."""
+    out = copy.deepcopy(job)
+    out.knobs.update(dict(overrides or {}))
+    out.launch.workdir = str(workdir_of(job, job_path))
+    if steps is not None:
+        out.limits.steps = int(steps)
+        if out.limits.warmup_steps >= out.limits.steps:
+            out.limits.warmup_steps = max(0, out.limits.steps - 1)
+    return out
+
+
+def workdir_of(job: JobSpec, job_path: Path) -> Path:
+    return (Path(job_path).resolve().parent / job.launch.workdir).resolve()
+
+
+def _child_env(job: JobSpec) -> dict[str, str]:
+    env = dict(os.environ)
+    # The job runs in the same Python environment as rltune, so 'rltune' and 'python' in its argv
+    # resolve to this installation even when its bin directory is not on the caller's PATH.
+    bin_dir = str(Path(sys.executable).parent)
+    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    env["PYTHONUNBUFFERED"] = "1"  # log lines arrive as they are printed, and survive a kill
+    env.update(job.launch.env)
+    return env
+
+
+def run_job(job: JobSpec, job_path: Path, run_dir: Path, overrides: dict[str, KnobValue] | None = None,
+            steps: int | None = None, on_output: Callable[[str], None] | None = None) -> LaunchResult:
+    """Run ``job`` once in ``run_dir``; see the module docstring. Raises LaunchError only if it cannot start."""
+    job_path = Path(job_path)
+    run_dir = Path(run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    argv = build_argv(job, job_path, run_dir, overrides, steps)
+    env = _child_env(job)
+    workdir = workdir_of(job, job_path)
+    if not workdir.is_dir():
+        raise LaunchError(f"{job_path}: launch.workdir: {workdir} is not a directory; it is relative to the job file")
+    if os.sep not in argv[0] and shutil.which(argv[0], path=env["PATH"]) is None:
+        raise LaunchError(f"{job_path}: launch.command[0]: {argv[0]!r} is not on PATH; give a full path or install it")
+    save_job(resolved_job(job, job_path, overrides, steps), run_dir / JOB_NAME)
+    log_path = run_dir / LOG_NAME
+    outcome = run_process(argv, cwd=workdir, env=env, timeout_s=job.launch.timeout_s, log_path=log_path,
+                          on_output=on_output)
+    result = LaunchResult(argv=argv, returncode=outcome.returncode, timed_out=outcome.timed_out,
+                          wall_s=outcome.wall_s, log_path=log_path, run_dir=run_dir)
+    record = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(result).items()}
+    (run_dir / RESULT_NAME).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return result
