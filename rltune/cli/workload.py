@@ -1,20 +1,100 @@
-"""``rltune workload``: run the reference GRPO workload."""
+"""``rltune workload``: run the reference GRPO workload, or check a config without running it."""
 
 from __future__ import annotations
 
 import typer
 
-from rltune.errors import RltuneError
+HELP = """Run the reference GRPO workload (engines, environments, trainer, weight sync).
 
-HELP = """Run the reference GRPO workload.
+A run directory gets config.yaml (the resolved config) and metrics.jsonl (one record per step).
+Overrides are dotted.key=value (value read as YAML); docs/workload.md lists every key.
 
 Example:
 
+\b
   rltune workload run presets/workload/tiny-math.yaml --steps 5
+  rltune workload run presets/workload/tiny-tool-use.yaml orchestrator.rl_mode=fully_async env.sandbox_pool_size=4
+  rltune workload check presets/workload/small-math.yaml
 """
+
+RUN_HELP = """Run the workload and write config.yaml + metrics.jsonl into the run directory.
+
+Example:
+
+  rltune workload run presets/workload/tiny-math.yaml --steps 5 trainer.packing=true
+"""
+
+CHECK_HELP = """Validate a config (with overrides) and count the model's parameters without building weights.
+
+Example:
+
+  rltune workload check presets/workload/small-math.yaml
+"""
+
+SUMMARY_KEYS = ("step_s", "rollout_s", "training_s", "weight_sync_s", "old_logprob_s", "wait_s", "gap",
+                "sample_age_mean", "reward")
 
 
 def register(app: typer.Typer) -> None:
-    @app.command(name="workload", help=HELP, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def workload_cmd(ctx: typer.Context) -> None:
-        raise RltuneError("'rltune workload' is not built yet")
+    workload = typer.Typer(help=HELP, no_args_is_help=True, add_completion=False, rich_markup_mode=None)
+
+    @workload.command(name="run", help=RUN_HELP)
+    def run_cmd(
+        config: str = typer.Argument(..., help="workload config file (schema_version 1)"),
+        overrides: list[str] = typer.Argument(None, help="dotted.key=value overrides"),
+        steps: int = typer.Option(None, "--steps", help="steps to run (default: orchestrator.steps)"),
+        run_dir: str = typer.Option(None, "--run-dir", help="output directory (default: runs/workload/<name>-<time>)"),
+        as_json: bool = typer.Option(False, "--json", help="print a machine-readable summary on stdout"),
+    ) -> None:
+        import json
+        import statistics
+        import sys
+        import time
+        from pathlib import Path
+
+        from rltune.workload import run
+        from rltune.workload.config import load_workload_config
+
+        cfg = load_workload_config(config, overrides or [])  # fail fast, before any process starts
+        if run_dir is None:
+            run_dir = str(Path("runs") / "workload" / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        start = time.perf_counter()
+        metrics_path = run(config, run_dir, steps=steps, overrides=list(overrides or []))
+        records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+        medians = {}
+        for key in SUMMARY_KEYS:
+            values = [r[key] for r in records[1:] or records if r.get(key) is not None]
+            medians[key] = statistics.median(values) if values else None
+        summary = {"run_dir": str(run_dir), "metrics": str(metrics_path), "steps": len(records),
+                   "wall_s": time.perf_counter() - start, "median_after_first_step": medians}
+        if as_json:
+            print(json.dumps(summary))
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"{cfg.name}: {len(records)} steps, {cfg.orchestrator.rl_mode} (median after step 0)")
+        table.add_column("stage")
+        table.add_column("value", justify="right")
+        for key, value in medians.items():
+            table.add_row(key, "-" if value is None else f"{value:.4g}")
+        console = Console(file=sys.stderr)
+        console.print(table)
+        console.print(f"metrics: {metrics_path}")
+
+    @workload.command(name="check", help=CHECK_HELP)
+    def check_cmd(
+        config: str = typer.Argument(..., help="workload config file"),
+        overrides: list[str] = typer.Argument(None, help="dotted.key=value overrides"),
+    ) -> None:
+        import json
+
+        from rltune.workload.config import load_workload_config
+        from rltune.workload.model import count_parameters
+
+        cfg = load_workload_config(config, overrides or [])
+        print(json.dumps({"config": config, "name": cfg.name, "preset": cfg.model.preset,
+                          "params": count_parameters(cfg.model.preset), "batch_size": cfg.batch_size,
+                          "rl_mode": cfg.orchestrator.rl_mode}))
+
+    app.add_typer(workload, name="workload")

@@ -1,0 +1,199 @@
+"""The reference workload's config file (schema_version 1) and its ``dotted.key=value`` overrides.
+
+Every knob the tuner may move is a key here; docs/workload.md lists them all. The file is read
+with the strict schema machinery of :mod:`rltune.contracts.schema`, so a misspelt key fails with
+the file, the dotted field and a did-you-mean. Overrides are applied to the parsed mapping before
+validation, their values parsed with ``yaml.safe_load`` (``trainer.packing=true`` is a bool).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, get_type_hints
+
+from rltune.contracts.schema import FieldProblem, check_schema_version, field, from_data, read_yaml
+from rltune.errors import MalformedFileError, UnknownKeyError, WrongTypeError
+
+WORKLOAD_SCHEMA_VERSION = 1
+
+
+@dataclass
+class ModelConfig:
+    preset: Literal["tiny", "small"] = field("tiny", doc="model size: tiny (CPU, ~0.1 M params) or small (~0.5 B params, H200)")
+    seed: int = field(0, doc="seed of the random initialisation (nothing is downloaded)")
+    dtype: Literal["float32", "bfloat16"] = field("float32", doc="trainer parameter dtype")
+    engine_dtype: Literal["float32", "bfloat16"] = field("float32", doc="dtype the engines serve; differs from dtype -> wider trainer-rollout gap")
+    attn_implementation: Literal["sdpa", "eager"] = field("sdpa", doc="attention kernel of trainer and engines")
+
+
+@dataclass
+class EngineConfig:
+    num_engines: int = field(1, doc="inference engine processes; requests go to the least loaded", min=1, max=64)
+    max_concurrent_seqs: int = field(16, doc="sequences one engine decodes at once", min=1)
+    batching: Literal["static", "continuous"] = field("continuous", doc="static: admit a new batch only when the last finished; continuous: refill free slots every step")
+    kv_cache_tokens: int = field(8192, doc="KV-cache budget of one engine in tokens (rows x padded length); exceeding it preempts the newest sequence", min=16)
+    compile: bool = field(False, doc="torch.compile the engine's forward (pays compile time at start-up)")
+    num_threads: int = field(1, doc="torch CPU threads per engine process (0: torch default)", min=0)
+    device: Literal["auto", "cpu", "cuda"] = field("auto", doc="engine device; auto = cuda if available")
+
+
+@dataclass
+class EnvConfig:
+    kind: Literal["math", "tool_use"] = field("math", doc="math: single-turn arithmetic; tool_use: multi-turn, each turn run in a subprocess sandbox")
+    max_new_tokens: int = field(16, doc="answer cap: tokens generated per model turn", min=1)
+    context_limit_tokens: int = field(256, doc="a trial stops taking turns past this many tokens", min=8)
+    temperature: float = field(1.0, doc="sampling temperature (the trainer scales logits the same way)", min=0.05)
+    trial_timeout_s: float = field(30.0, doc="a trial still running after this many seconds is cut off (reward 0)", min=0.01)
+    max_turns: int = field(3, doc="tool use: model turns per trial", min=1)
+    sandbox_pool_size: int = field(8, doc="tool use: sandboxes that may exist at once; a trial holds one from setup to teardown", min=1)
+    prebuilt_image: bool = field(False, doc="tool use: copy a task image built once per task instead of building it for every trial")
+    image_modules: int = field(24, doc="tool use: python modules in a task image; building compiles them all (the per-trial setup cost)", min=0)
+    sandbox_cpu_s: int = field(2, doc="tool use: RLIMIT_CPU of one sandbox command, seconds", min=1)
+    sandbox_memory_mb: int = field(512, doc="tool use: RLIMIT_AS of one sandbox command, MiB", min=64)
+    sandbox_wall_s: float = field(5.0, doc="tool use: wall-clock limit of one sandbox command; its process group is killed past it", min=0.05)
+    seed: int = field(0, doc="seed of the task generator")
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = field(1e-4, doc="AdamW learning rate", min=0)
+    weight_decay: float = field(0.0, doc="AdamW weight decay", min=0)
+    micro_batch_size: int = field(8, doc="samples per forward/backward (with packing: packed rows hold up to this many samples)", min=1)
+    mini_batches: int = field(1, doc="optimizer steps per batch (>1 makes the old-logprob ratio differ from 1)", min=1)
+    packing: bool = field(False, doc="pack samples into one row (block-diagonal attention) instead of padding each to the longest")
+    grad_checkpointing: bool = field(False, doc="recompute activations in backward (less memory, more compute)")
+    reuse_rollout_logprobs: bool = field(False, doc="use the engine's logprobs as old logprobs instead of a separate trainer pass")
+    clip_eps: float = field(0.2, doc="PPO/GRPO ratio clip epsilon", min=0)
+    normalize_adv_std: bool = field(True, doc="divide group-relative advantages by the group's std")
+    max_grad_norm: float = field(1.0, doc="gradient-norm clip (0: none)", min=0)
+    launcher: Literal["inprocess", "torchrun"] = field("inprocess", doc="inprocess: world size 1 in the CLI process; torchrun: 'python -m rltune.workload.trainer' under torchrun")
+    world_size: int = field(1, doc="trainer processes (torchrun only); DDP over gloo (CPU) or nccl (GPU)", min=1)
+    num_threads: int = field(1, doc="torch CPU threads of each trainer process (0: torch default)", min=0)
+    device: Literal["auto", "cpu", "cuda"] = field("auto", doc="trainer device; auto = cuda if available")
+
+
+@dataclass
+class OrchestratorConfig:
+    rl_mode: Literal["sync", "one_step_async", "fully_async"] = field("sync", doc="sync, one-step async (batch k+1 generated while training k) or fully async (continuous rollout)")
+    steps: int = field(5, doc="training steps to run", min=1)
+    tasks_per_batch: int = field(8, doc="tasks (GRPO groups) per batch", min=1)
+    trials_per_task: int = field(4, doc="trials per task; advantages compare within this group", min=1)
+    max_sample_age: int = field(2, doc="fully async: groups older than this many weight versions are dropped, and rollout pauses so none gets older", min=0)
+    seed: int = field(0, doc="seed of sampling")
+
+
+@dataclass
+class SyncConfig:
+    transport: Literal["filesystem", "inprocess", "sparse_delta"] = field("filesystem", doc="filesystem: safetensors checkpoint written and read; inprocess: shared-memory copy; sparse_delta: rltune.sync sender/receiver")
+    keep_checkpoints: int = field(1, doc="filesystem: checkpoints kept on disk after the engines loaded them", min=0)
+
+
+@dataclass
+class WorkloadConfig:
+    schema_version: int = field(WORKLOAD_SCHEMA_VERSION, doc="format version of this file (1)")
+    name: str = field("workload", doc="run name, written into every metrics record's run")
+    model: ModelConfig = field(default_factory=ModelConfig, doc="the policy model")
+    engine: EngineConfig = field(default_factory=EngineConfig, doc="inference engines")
+    env: EnvConfig = field(default_factory=EnvConfig, doc="environments and sandboxes")
+    trainer: TrainerConfig = field(default_factory=TrainerConfig, doc="GRPO trainer")
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig, doc="batch shape and RL mode")
+    sync: SyncConfig = field(default_factory=SyncConfig, doc="weight sync from trainer to engines")
+
+    def validate(self) -> None:
+        if self.trainer.world_size > 1 and self.trainer.launcher != "torchrun":
+            raise FieldProblem("trainer.world_size", "world_size > 1 needs trainer.launcher: torchrun")
+        if self.trainer.mini_batches > self.orchestrator.tasks_per_batch:
+            raise FieldProblem("trainer.mini_batches", f"must not exceed orchestrator.tasks_per_batch ({self.orchestrator.tasks_per_batch}); each mini-batch holds whole groups")
+        if self.env.kind == "tool_use" and self.env.context_limit_tokens < 2 * self.env.max_new_tokens:
+            raise FieldProblem("env.context_limit_tokens", "must be at least twice env.max_new_tokens for a multi-turn trial")
+
+    @property
+    def batch_size(self) -> int:
+        return self.orchestrator.tasks_per_batch * self.orchestrator.trials_per_task
+
+
+def knob_keys() -> list[str]:
+    """Every settable dotted key of the config (what an override may name)."""
+    keys: list[str] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            name = f"{prefix}{f.name}"
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name], name + ".")
+            else:
+                keys.append(name)
+
+    walk(WorkloadConfig, "")
+    return keys
+
+
+def parse_override(text: str, file: str) -> tuple[str, Any]:
+    """Split ``dotted.key=value``; the value is parsed as YAML. The key must exist in the schema."""
+    import yaml
+
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise MalformedFileError(file, "", f"override {text!r} is not 'dotted.key=value' (e.g. trainer.micro_batch_size=4)")
+    known = knob_keys()
+    if key not in known:
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}?" if close else "see docs/workload.md for the keys"
+        raise UnknownKeyError(file, key, f"unknown override key ({hint})")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        raise WrongTypeError(file, key, f"override value {raw!r} is not valid YAML") from None
+    return key, value
+
+
+def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...], file: str) -> dict:
+    """A copy of ``data`` with each ``dotted.key=value`` override set (intermediate mappings created)."""
+    data = copy.deepcopy(data)
+    for text in overrides:
+        key, value = parse_override(text, file)
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise WrongTypeError(file, part, "expected a mapping here to apply override " + repr(text))
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def config_from_data(data: Any, file: str, overrides: list[str] | tuple[str, ...] = ()) -> WorkloadConfig:
+    """Validate parsed YAML (plus overrides) as a :class:`WorkloadConfig`."""
+    check_schema_version(data, file, WORKLOAD_SCHEMA_VERSION)
+    return from_data(WorkloadConfig, apply_overrides(data, list(overrides), file), file)
+
+
+def load_workload_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> WorkloadConfig:
+    """Read a workload config file, apply overrides, validate; errors name the file and the key."""
+    path = Path(path)
+    return config_from_data(read_yaml(path), str(path), overrides)
+
+
+__all__ = [
+    "WORKLOAD_SCHEMA_VERSION",
+    "EngineConfig",
+    "EnvConfig",
+    "ModelConfig",
+    "OrchestratorConfig",
+    "SyncConfig",
+    "TrainerConfig",
+    "WorkloadConfig",
+    "apply_overrides",
+    "config_from_data",
+    "knob_keys",
+    "load_workload_config",
+    "parse_override",
+]

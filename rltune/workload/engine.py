@@ -1,0 +1,342 @@
+"""The inference engine: a separate process that samples from the policy with a KV cache.
+
+Each engine process holds a copy of the model and a batch of running sequences whose keys and
+values live in one left-padded cache (rows = sequences, columns = positions). It returns every
+sampled token with its log-probability under the temperature-scaled distribution.
+
+Scheduling:
+- ``static``: a new batch is admitted only when the running one has finished (a long sequence
+  holds the whole batch).
+- ``continuous``: after every decode step finished rows leave and waiting requests are prefilled
+  and merged into the running batch (decode pauses while they prefill).
+The KV budget (``kv_cache_tokens`` = rows x padded length) caps admission; when a growing batch
+would exceed it, the newest sequence is preempted: its cache is dropped and it is re-queued to be
+prefilled again (recompute), keeping what it had generated.
+
+Weights change only between decode steps; a sequence records the oldest weight version that
+produced any of its tokens.
+
+Messages in (one ``mp.Queue`` per engine): ``("generate", req_id, prompt_ids, max_new_tokens,
+temperature, submit_monotonic)``, ``("cancel", req_id)``, ``("load", version, message)``, ``("stats",)``, ``("stop",)``.
+Messages out (shared queue): ``("ready", engine, info)``, ``("result", engine, req_id, record)``,
+``("loaded", engine, version, info)``, ``("stats", engine, counters)``, ``("error", engine, text)``.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class EngineSettings:
+    """What an engine process needs to start (picklable)."""
+
+    preset: str
+    seed: int
+    dtype: str
+    device: str
+    attn_implementation: str
+    max_concurrent_seqs: int
+    batching: str
+    kv_cache_tokens: int
+    compile: bool
+    num_threads: int
+    sample_seed: int
+    loader: Any  # the weight-sync transport's engine side (see rltune.workload.weight_sync)
+
+
+@dataclass
+class _Sequence:
+    req_id: int
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float
+    submitted: float
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    version: int | None = None
+    admitted: float | None = None
+    prefill_s: float = 0.0
+    decode_start: float | None = None
+    preemptions: int = 0
+    finished_by_eos: bool = False
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.tokens
+
+
+class _Engine:
+    def __init__(self, index: int, settings: EngineSettings, out_queue):
+        import torch
+
+        from rltune.workload.model import build_model, torch_dtype
+        from rltune.workload.tokenizer import TOKENIZER
+
+        self.torch = torch
+        self.index = index
+        self.s = settings
+        self.out = out_queue
+        if settings.num_threads:
+            torch.set_num_threads(settings.num_threads)
+        self.device = torch.device(settings.device)
+        self.model = build_model(settings.preset, settings.seed, torch_dtype(settings.dtype), self.device,
+                                 settings.attn_implementation).eval()
+        self.forward = torch.compile(self.model, dynamic=True) if settings.compile else self.model
+        self.eos = TOKENIZER.eos_id
+        self.pad = TOKENIZER.pad_id
+        self.generator = torch.Generator(device=self.device).manual_seed(settings.sample_seed + 7919 * index)
+        self.version = 0
+        self.cancelled: set[int] = set()
+        self.waiting: deque[_Sequence] = deque()
+        self.running: list[_Sequence] = []
+        self.keys: list = []  # per layer [B, H, T, D]
+        self.values: list = []
+        self.mask = None  # [B, T] long, 1 = real position
+        self.positions = None  # [B] next position id of each row
+        self.last_tokens = None  # [B] token to feed next
+        self._reset_counters()
+
+    # -- counters -------------------------------------------------------------------------------
+    def _reset_counters(self) -> None:
+        self.counters = {"preemptions": 0, "kv_peak_frac": 0.0, "gen_tokens": 0, "prefill_s": 0.0,
+                         "decode_s": 0.0, "forward_steps": 0, "busy_s": 0.0}
+
+    def _note_kv(self) -> None:
+        if self.mask is not None:
+            used = self.mask.shape[0] * self.mask.shape[1] / self.s.kv_cache_tokens
+            self.counters["kv_peak_frac"] = max(self.counters["kv_peak_frac"], used)
+
+    # -- main loop -------------------------------------------------------------------------------
+    def serve(self, in_queue) -> None:
+        self.out.put(("ready", self.index, {"params": sum(p.numel() for p in self.model.parameters())}))
+        while True:
+            idle = not self.running and not self.waiting
+            messages = []
+            try:
+                messages.append(in_queue.get(timeout=0.5) if idle else in_queue.get_nowait())
+                while True:
+                    messages.append(in_queue.get_nowait())
+            except queue.Empty:
+                pass
+            for msg in messages:
+                if msg[0] == "stop":
+                    return
+                self._handle(msg)
+            start = time.perf_counter()
+            did = self._admit()
+            if self.running:
+                self._decode_step()
+                did = True
+            if did:
+                self.counters["busy_s"] += time.perf_counter() - start
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "generate":
+            _, req_id, prompt, max_new, temperature, submitted = msg
+            self.waiting.append(_Sequence(req_id, list(prompt), int(max_new), float(temperature), submitted))
+        elif kind == "cancel":
+            # A trial that was cut off no longer wants this request: drop it wherever it is.
+            self.cancelled.add(msg[1])
+            self.waiting = deque(s for s in self.waiting if s.req_id != msg[1])
+        elif kind == "load":
+            _, version, message = msg
+            start = time.perf_counter()
+            info = self.s.loader.load(self.model, message)
+            if self.device.type == "cuda":
+                self.torch.cuda.synchronize()
+            self.version = version
+            self.out.put(("loaded", self.index, version, {"load_s": time.perf_counter() - start, **info}))
+        elif kind == "stats":
+            self.out.put(("stats", self.index, dict(self.counters, running=len(self.running), waiting=len(self.waiting))))
+            self._reset_counters()
+        else:
+            raise ValueError(f"engine got an unknown message {kind!r}")
+
+    # -- scheduling -----------------------------------------------------------------------------
+    def _admit(self) -> bool:
+        if not self.waiting:
+            return False
+        if self.s.batching == "static" and self.running:
+            return False
+        width = self.mask.shape[1] if self.mask is not None else 0
+        chosen: list[_Sequence] = []
+        while self.waiting and len(self.running) + len(chosen) < self.s.max_concurrent_seqs:
+            candidate = self.waiting[0]
+            new_width = max(width, max(len(s.context) for s in [*chosen, candidate]))
+            if (len(self.running) + len(chosen) + 1) * (new_width + 1) > self.s.kv_cache_tokens and (self.running or chosen):
+                break
+            chosen.append(self.waiting.popleft())
+        if not chosen:
+            return False
+        self._prefill(chosen)
+        return True
+
+    @staticmethod
+    def _logits(output):
+        return output.logits
+
+    def _prefill(self, seqs: list[_Sequence]) -> None:
+        torch = self.torch
+        start = time.perf_counter()
+        now = time.monotonic()
+        width = max(len(s.context) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for row, seq in enumerate(seqs):
+            ctx = seq.context
+            ids[row, width - len(ctx):] = torch.tensor(ctx)
+            mask[row, width - len(ctx):] = 1
+            if seq.admitted is None:
+                seq.admitted = now
+            if seq.version is None:
+                seq.version = self.version
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.inference_mode():
+            out = self.forward(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        cache = out.cache
+        new_keys = [layer.keys for layer in cache.layers]
+        new_values = [layer.values for layer in cache.layers]
+        self._merge(seqs, new_keys, new_values, mask, mask.sum(-1))
+        elapsed = time.perf_counter() - start
+        self.counters["prefill_s"] += elapsed
+        for seq in seqs:
+            seq.prefill_s += elapsed
+            seq.decode_start = time.monotonic()
+        # The prefill's last logits give each new row its first sampled token.
+        self._sample_and_advance(out.logits[:, -1, :], rows=list(range(len(self.running) - len(seqs), len(self.running))))
+
+    def _merge(self, seqs, new_keys, new_values, new_mask, new_positions) -> None:
+        torch = self.torch
+        if not self.running:
+            self.keys, self.values, self.mask = new_keys, new_values, new_mask
+            self.positions = new_positions
+            self.last_tokens = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
+            self.running = list(seqs)
+            self._note_kv()
+            return
+        width = max(self.mask.shape[1], new_mask.shape[1])
+
+        def left_pad(t, dim_len, value=0):
+            missing = width - dim_len
+            if missing == 0:
+                return t
+            shape = list(t.shape)
+            shape[2 if t.dim() == 4 else 1] = missing
+            return torch.cat([torch.full(shape, value, dtype=t.dtype, device=t.device), t], dim=2 if t.dim() == 4 else 1)
+
+        old_w, new_w = self.mask.shape[1], new_mask.shape[1]
+        self.keys = [torch.cat([left_pad(a, old_w), left_pad(b, new_w)]) for a, b in zip(self.keys, new_keys, strict=True)]
+        self.values = [torch.cat([left_pad(a, old_w), left_pad(b, new_w)]) for a, b in zip(self.values, new_values, strict=True)]
+        self.mask = torch.cat([left_pad(self.mask, old_w), left_pad(new_mask, new_w)])
+        self.positions = torch.cat([self.positions, new_positions])
+        self.last_tokens = torch.cat([self.last_tokens, torch.zeros(len(seqs), dtype=torch.long, device=self.device)])
+        self.running.extend(seqs)
+        self._note_kv()
+
+    def _sample_and_advance(self, logits_BV, rows: list[int]) -> None:
+        """Sample a token for each listed row (``logits_BV[i]`` belongs to ``rows[i]``); finish rows that are done."""
+        torch = self.torch
+        temps = torch.tensor([self.running[r].temperature for r in rows], device=self.device).unsqueeze(-1)
+        logp = torch.log_softmax(logits_BV.float() / temps, dim=-1)
+        picked = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)
+        picked_logp = logp.gather(-1, picked.unsqueeze(-1)).squeeze(-1)
+        row_index = torch.tensor(rows, device=self.device)
+        self.last_tokens[row_index] = picked
+        self.counters["gen_tokens"] += len(rows)
+        done = []
+        for r, token, lp in zip(rows, picked.tolist(), picked_logp.tolist(), strict=True):
+            seq = self.running[r]
+            if seq.req_id in self.cancelled:
+                done.append(r)
+                continue
+            seq.tokens.append(token)
+            seq.logprobs.append(lp)
+            seq.version = min(seq.version, self.version)
+            if token == self.eos:
+                seq.finished_by_eos = True
+                done.append(r)
+            elif len(seq.tokens) >= seq.max_new_tokens:
+                done.append(r)
+        if done:
+            self._finish(done)
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        torch = self.torch
+        if not keep:
+            self.running, self.keys, self.values, self.mask = [], [], [], None
+            self.positions = self.last_tokens = None
+            return
+        idx = torch.tensor(keep, device=self.device)
+        self.running = [self.running[i] for i in keep]
+        self.mask = self.mask.index_select(0, idx)
+        # Columns that are padding in every remaining row are dead weight: trim them.
+        live = self.mask.any(0).nonzero()
+        first = int(live[0]) if len(live) else 0
+        self.mask = self.mask[:, first:]
+        self.keys = [k.index_select(0, idx)[:, :, first:] for k in self.keys]
+        self.values = [v.index_select(0, idx)[:, :, first:] for v in self.values]
+        self.positions = self.positions.index_select(0, idx)
+        self.last_tokens = self.last_tokens.index_select(0, idx)
+
+    def _finish(self, rows: list[int]) -> None:
+        now = time.monotonic()
+        for r in rows:
+            seq = self.running[r]
+            if seq.req_id in self.cancelled:
+                self.cancelled.discard(seq.req_id)
+                continue
+            self.out.put(("result", self.index, seq.req_id, {
+                "tokens": seq.tokens, "logprobs": seq.logprobs, "version": seq.version,
+                "queue_s": seq.admitted - seq.submitted, "prefill_s": seq.prefill_s,
+                "decode_s": now - seq.decode_start, "preemptions": seq.preemptions,
+                "eos": seq.finished_by_eos,
+            }))
+        gone = set(rows)
+        self._keep_rows([i for i in range(len(self.running)) if i not in gone])
+
+    def _preempt_if_needed(self) -> None:
+        # Growing by one column must fit the budget; otherwise drop the newest rows (recompute later).
+        while len(self.running) > 1 and len(self.running) * (self.mask.shape[1] + 1) > self.s.kv_cache_tokens:
+            victim = self.running[-1]
+            victim.preemptions += 1
+            self.counters["preemptions"] += 1
+            self.waiting.appendleft(victim)
+            self._keep_rows(list(range(len(self.running) - 1)))
+
+    def _decode_step(self) -> None:
+        torch = self.torch
+        from transformers.cache_utils import DynamicCache
+
+        self._preempt_if_needed()
+        start = time.perf_counter()
+        cache = DynamicCache(ddp_cache_data=list(zip(self.keys, self.values, strict=True)), config=self.model.config)
+        ones = torch.ones((self.mask.shape[0], 1), dtype=self.mask.dtype, device=self.device)
+        mask = torch.cat([self.mask, ones], dim=1)
+        with torch.inference_mode():
+            out = self.forward(input_ids=self.last_tokens.unsqueeze(-1), attention_mask=mask,
+                               position_ids=self.positions.unsqueeze(-1), cache=cache, use_cache=True)
+        self.keys = [layer.keys for layer in out.cache.layers]
+        self.values = [layer.values for layer in out.cache.layers]
+        self.mask = mask
+        self.positions = self.positions + 1
+        self._note_kv()
+        self.counters["decode_s"] += time.perf_counter() - start
+        self.counters["forward_steps"] += 1
+        self._sample_and_advance(out.logits[:, -1, :], rows=list(range(len(self.running))))
+
+
+def engine_main(index: int, settings: EngineSettings, in_queue, out_queue) -> None:
+    """Entry point of an engine process."""
+    try:
+        engine = _Engine(index, settings, out_queue)
+        engine.serve(in_queue)
+    except Exception:  # report any crash to the orchestrator, which turns it into an RltuneError
+        out_queue.put(("error", index, traceback.format_exc()))
