@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
-from rltune.errors import RltuneError
-
 HELP = """Run a forecast candidate for real and keep it only if it beats noise within the limits.
+
+The candidate runs through the job's launcher for limits.steps steps (or --steps), is timed on the
+same steps as the baseline of its candidates.yaml, and must be faster by more than
+limits.noise_pct (a smaller gain is measured again first) with the trainer-rollout gap, sample
+age and trial shares within their limits. verdict.yaml lands in the run directory and the run
+joins the case library with the forecast made before it.
 
 Example:
 
@@ -15,6 +21,75 @@ Example:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command(name="trial", help=HELP, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def trial_cmd(ctx: typer.Context) -> None:
-        raise RltuneError("'rltune trial' is not built yet")
+    @app.command(name="trial", help=HELP)
+    def trial_cmd(
+        forecast: Path = typer.Argument(..., help="forecast.yaml from 'rltune predict'"),
+        job: Path = typer.Option(..., "--job", help="job.yaml to run"),
+        candidate: str = typer.Option(None, "--candidate", help="candidate id (default: the fastest forecast worth a trial)"),
+        steps: int = typer.Option(None, "--steps", help="steps to run (default limits.steps)"),
+        runs_root: Path = typer.Option(Path("runs"), "--runs-root", help="where the run directory is made"),
+        library: Path = typer.Option(None, "--library", help="case library (default: the one the forecast used)"),
+        no_remeasure: bool = typer.Option(False, "--no-remeasure", help="decide on one run even when the gain is small"),
+        as_json: bool = typer.Option(False, "--json", help="print a machine-readable summary on stdout"),
+    ) -> None:
+        import json
+
+        from rltune.contracts.candidates import load_candidates
+        from rltune.contracts.forecast import load_forecast
+        from rltune.contracts.job import load_job
+        from rltune.contracts.stages import read_stages
+        from rltune.errors import RltuneError
+        from rltune.launch import new_run_id
+        from rltune.predict.library import CaseLibrary
+        from rltune.tune.trial import run_trial
+
+        spec = load_job(job)
+        predicted = load_forecast(forecast)
+        candidates = load_candidates(Path(predicted.candidates_file))
+        if not candidates.baseline_dir:
+            raise RltuneError(f"{predicted.candidates_file}: baseline_dir: not set; run 'rltune propose' on the "
+                              f"diagnosis.yaml inside the baseline's run directory")
+        if candidate is None:
+            pick = next((f for f in predicted.forecasts if f.gain_pct >= spec.limits.min_forecast_gain_pct), None)
+            if pick is None:
+                raise RltuneError(f"{forecast}: no candidate is forecast >= {spec.limits.min_forecast_gain_pct:g}% faster; "
+                                  f"name one with --candidate to run it anyway")
+        else:
+            pick = next((f for f in predicted.forecasts if f.candidate == candidate), None)
+            if pick is None:
+                known = ", ".join(f.candidate for f in predicted.forecasts)
+                raise RltuneError(f"{forecast}: no candidate {candidate!r}; the file has {known}")
+        baseline_dir = Path(candidates.baseline_dir)
+        untuned_dir = Path(candidates.untuned_dir or candidates.baseline_dir)
+        run_id = new_run_id(f"{spec.name}-{pick.candidate}")
+        outcome = run_trial(
+            spec, job, pick, baseline_knobs=candidates.baseline_knobs, baseline_run=candidates.baseline_run,
+            baseline_rows=read_stages(baseline_dir / "stages.parquet").to_pylist(), untuned_run=untuned_dir.name,
+            untuned_rows=read_stages(untuned_dir / "stages.parquet").to_pylist(),
+            library=CaseLibrary(library or predicted.library), run_root=runs_root, run_id=run_id, steps=steps,
+            remeasure=not no_remeasure)
+        verdict = outcome.verdict
+        _show(verdict)
+        path = Path(runs_root) / run_id / "verdict.yaml"
+        if as_json:
+            print(json.dumps({"verdict": str(path), "decision": verdict.decision, "step_s": verdict.step_s,
+                              "baseline_step_s": verdict.baseline_step_s, "gain_pct": verdict.gain_pct,
+                              "failed_limits": [c.name for c in verdict.limits if not c.passed]}))
+        else:
+            typer.echo(str(path))
+
+
+def _show(verdict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{verdict.candidate}: {verdict.decision.upper()} - {verdict.reason}")
+    for name in ("limit", "value", "threshold", "pass"):
+        table.add_column(name)
+    for check in verdict.limits:
+        table.add_row(check.name, "n/a" if check.value is None else f"{check.value:.4g}",
+                      "n/a" if check.threshold is None else f"{check.threshold:.4g}", "yes" if check.passed else "NO")
+    console = Console(stderr=True)
+    console.print(table)
+    if verdict.log_tail:
+        console.print(verdict.log_tail, markup=False, highlight=False)

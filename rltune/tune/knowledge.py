@@ -1,8 +1,9 @@
 """Reading the knowledge base against one job: which fixes apply, and what values they set.
 
-A fix applies to a job at given knob values when every knob it sets is one the job can move
-(listed under job.yaml ``knobs``), its ``applies_when`` conditions hold, and it changes at least one
-value (a fix already in effect is not proposed again).
+A fix applies to a job at given knob values when every knob it sets is one the job can move (it has
+a baseline value under job.yaml ``knobs`` and a ``launch.knob_map`` entry saying which of the job's
+own keys sets it), its ``applies_when`` conditions hold, and it changes at least one value (a fix
+already in effect is not proposed again).
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class ApplicableFix:
 def applicable_fix(fix: Fix, job: JobSpec, knobs: dict[str, KnobValue], knowledge: Knowledge,
                    facts: dict[str, Any] | None = None) -> ApplicableFix | None:
     """``fix`` resolved at ``knobs``, or None when it does not apply (see the module docstring)."""
-    if any(knob not in knobs for knob in fix.overrides):
+    if any(knob not in knobs or knob not in job.launch.knob_map for knob in fix.overrides):
         return None
     facts = job_facts(job) if facts is None else facts
     if not all(condition_holds(c, knobs, facts) for c in fix.conditions()):
@@ -101,4 +102,4 @@ def applicable_fix(fix: Fix, job: JobSpec, knobs: dict[str, KnobValue], knowledg
 
 def expressible_fixes(job: JobSpec, knowledge: Knowledge) -> list[Fix]:
     """Fixes whose every knob the job can move (ignoring conditions): what tuning can ever try."""
-    return [f for f in knowledge.fixes if all(k in job.knobs for k in f.overrides)]
+    return [f for f in knowledge.fixes if all(k in job.knobs and k in job.launch.knob_map for k in f.overrides)]

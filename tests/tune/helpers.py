@@ -22,7 +22,7 @@ def figure3_job(tmp_path: Path, **knob_changes) -> JobSpec:
     data["knobs"] = {"rl_mode": "fully_async", "micro_batch_size": 1, "trainer_tp": 4, "rollout_gpus": 12,
                      "chunked_prefill": False, "pd_disaggregation": False, "sandbox_hosts": 2,
                      "prebuilt_image": False, **knob_changes}
-    data["launch"]["knob_map"] = {}
+    data["launch"]["knob_map"] = {knob: f"cfg.{knob}" for knob in data["knobs"]}
     path = tmp_path / "figure3.yaml"
     path.write_text(yaml.safe_dump(data))
     return load_job(path)

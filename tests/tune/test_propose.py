@@ -62,11 +62,18 @@ def test_tried_setups_are_skipped_and_candidates_round_trip(tmp_path):
 
 def test_a_knob_the_job_cannot_move_removes_its_fixes(tmp_path):
     job = figure3_job(tmp_path)
-    del job.knobs["pd_disaggregation"]
+    del job.launch.knob_map["pd_disaggregation"]
     out = propose(figure3_diagnosis(), job, load_default_knowledge(), max_candidates=50)
     assert all("pd_disaggregation" not in c.fixes for c in out.candidates)
-    # chunked_prefill's condition names pd_disaggregation, which the job no longer has: it drops too,
-    # so the engine problem is reported as unfixed and setups fix the sandbox and trainer only.
+    assert {frozenset(c.fixes) for c in out.candidates} == {
+        frozenset({t, "chunked_prefill", s}) for t in TRAINER for s in SANDBOX}
+
+
+def test_a_problem_without_an_applicable_fix_is_reported_unfixed(tmp_path):
+    job = figure3_job(tmp_path)
+    del job.knobs["pd_disaggregation"], job.launch.knob_map["pd_disaggregation"]
+    out = propose(figure3_diagnosis(), job, load_default_knowledge(), max_candidates=50)
+    # chunked_prefill's condition names pd_disaggregation, which the job no longer has: it drops too.
     assert out.unfixed == ["decode_interrupted_by_prefill"]
     assert len(out.candidates) == 4
 
@@ -94,7 +101,7 @@ def test_limiting_stage_without_a_fixable_problem_uses_fixes_that_move_it(tmp_pa
 
 def test_no_problems_and_nothing_to_move_gives_no_candidates(tmp_path):
     job = figure3_job(tmp_path, prebuilt_image=True, chunked_prefill=True, pd_disaggregation=True)
-    del job.knobs["sandbox_hosts"]
+    del job.launch.knob_map["sandbox_hosts"]
     diagnosis = dataclasses.replace(figure3_diagnosis(), problems=[])
     out = propose(diagnosis, job, load_default_knowledge())
     assert out.candidates == []
