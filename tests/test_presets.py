@@ -1,0 +1,67 @@
+"""Every file under presets/ is parsed by its loader, so none can go stale."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rltune.contracts.job import load_job
+from rltune.contracts.knowledge import load_knowledge
+from rltune.workload.config import load_workload_config
+
+PRESETS = Path(__file__).resolve().parents[1] / "presets"
+ALL = sorted(p for p in PRESETS.rglob("*") if p.is_file())
+WORKLOAD_CONFIGS = sorted((PRESETS / "workload").glob("*.yaml"))
+JOBS = sorted(PRESETS.glob("*.yaml")) + sorted((PRESETS / "tuned").glob("*.yaml"))
+JOBS = [p for p in JOBS if p.name != "knowledge.yaml"]
+# Knobs of the reference workload (the brief's canonical list) and where they live in its config.
+REFERENCE_KNOBS = {"rl_mode", "max_sample_age", "micro_batch_size", "packing", "grad_checkpointing",
+                   "reuse_rollout_logprobs", "engine_max_concurrency", "engine_batching", "num_engines",
+                   "engine_compile", "sandbox_pool_size", "prebuilt_image", "sync_transport"}
+
+
+def test_every_preset_file_has_a_loader():
+    known = set(WORKLOAD_CONFIGS) | set(JOBS) | {PRESETS / "knowledge.yaml"}
+    assert [p for p in ALL if p not in known] == []
+    assert len(JOBS) >= 3 and len(WORKLOAD_CONFIGS) >= 2
+
+
+@pytest.mark.parametrize("path", WORKLOAD_CONFIGS, ids=lambda p: p.name)
+def test_workload_config_loads(path):
+    cfg = load_workload_config(path)
+    assert cfg.orchestrator.tasks_per_batch >= 1
+
+
+def _workload_config_of(job, path):
+    configs = [a for a in job.launch.command if a.startswith("presets/workload/")]
+    assert len(configs) == 1, f"{path}: expected one presets/workload/ config in launch.command"
+    return (path.parent / job.launch.workdir / configs[0]).resolve()
+
+
+@pytest.mark.parametrize("path", JOBS, ids=lambda p: p.name)
+def test_job_preset_loads_and_its_knobs_are_the_workload_config_values(path):
+    job = load_job(path)
+    config_path = _workload_config_of(job, path)
+    assert config_path.exists(), f"{path}: launch.command names {config_path}, which does not exist"
+    data = load_workload_config(config_path)
+    for knob, key in job.launch.knob_map.items():
+        node = data
+        for part in key.split("."):
+            node = getattr(node, part)
+        # A run without overrides must be the job's baseline, or cases would record wrong knobs.
+        assert node == job.knobs[knob], f"{path}: knob {knob}={job.knobs[knob]!r} but {config_path.name} {key}={node!r}"
+    assert set(job.knobs) <= REFERENCE_KNOBS
+    assert job.launch.steps_override == "orchestrator.steps"
+
+
+def test_knowledge_base_loads_with_enough_fixes_and_maps_reference_knobs():
+    knowledge = load_knowledge(PRESETS / "knowledge.yaml")
+    assert len(knowledge.fixes) >= 25
+    assert REFERENCE_KNOBS <= set(knowledge.knobs)
+    expressible = [f for f in knowledge.fixes if set(f.overrides) <= REFERENCE_KNOBS]
+    assert len(expressible) >= 12
+    tool_use = load_job(PRESETS / "cpu-tool-use.yaml")
+    # Every fix the reference workload can express is movable in the tool-use preset, which maps all its knobs.
+    assert all(set(f.overrides) <= set(tool_use.launch.knob_map) for f in expressible)
+    assert all(f.source and f.moves for f in knowledge.fixes)
