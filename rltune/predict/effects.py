@@ -1,0 +1,136 @@
+"""Knob effects learned from measured pairs: earlier runs that measured one change.
+
+Two ok cases of the same job (equal identity, see :meth:`Setup.identity`) whose settings differ in
+exactly one setting form a *pair*; it measured that setting's effect on every stage and on the
+step. Repeats of one setup are averaged first (in log space), so noise shrinks as runs repeat.
+
+:func:`knob_effects` builds a :class:`KnobEffects` table; ``lookup(setting, a, b, identity)``
+returns the log-ratios for the change a -> b (same job preferred, then any job), and
+``elasticity(setting, identity)`` the median d log(time) / d log(value) of a numeric setting, for
+values no pair measured. :attr:`KnobEffects.repeat_noise` is the pooled run-to-run spread of the
+step (log space) from repeated setups, the noise floor of every forecast range.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rltune.predict.setup import setup_from_case
+
+if TYPE_CHECKING:
+    from rltune.contracts.cases import CaseRecord
+
+MEASURES = ("rollout_s", "training_s", "weight_sync_s", "step_s")
+EPS_S = 1e-3
+DEFAULT_REPEAT_NOISE = 0.03
+
+
+@dataclass
+class Effect:
+    """Measured change a -> b: mean log-ratio per measure, its spread and how many pairs."""
+
+    log_ratio: dict[str, float]
+    spread: float
+    pairs: int
+    same_job: bool
+
+
+@dataclass
+class KnobEffects:
+    by_job: dict[tuple, list[dict[str, float]]] = field(default_factory=lambda: defaultdict(list))
+    by_setting: dict[tuple, list[dict[str, float]]] = field(default_factory=lambda: defaultdict(list))
+    slopes: dict[tuple, list[dict[str, float]]] = field(default_factory=lambda: defaultdict(list))
+    repeat_noise: float = DEFAULT_REPEAT_NOISE
+    repeat_groups: int = 0
+
+    def lookup(self, setting: str, a: Any, b: Any, identity: tuple | None = None) -> Effect | None:
+        key = (setting, _key(a), _key(b))
+        if identity is not None and self.by_job.get((identity, *key)):
+            return _summarise(self.by_job[(identity, *key)], True, self.repeat_noise)
+        if self.by_setting.get(key):
+            return _summarise(self.by_setting[key], False, self.repeat_noise)
+        return None
+
+    def elasticity(self, setting: str, identity: tuple | None = None) -> dict[str, float] | None:
+        """Median d log(time) / d log(value) per measure over pairs of a numeric setting."""
+        samples = self.slopes.get((identity, setting)) or self.slopes.get((None, setting))
+        if not samples:
+            return None
+        return {m: statistics.median(s[m] for s in samples) for m in MEASURES}
+
+
+def _key(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def _summarise(samples: list[dict[str, float]], same_job: bool, noise: float) -> Effect:
+    mean = {m: statistics.fmean(s[m] for s in samples) for m in MEASURES}
+    step = [s["step_s"] for s in samples]
+    spread = statistics.stdev(step) if len(step) > 1 else 0.0
+    # Each side of a pair carries run-to-run noise; more pairs average it down.
+    spread = math.sqrt(spread ** 2 + 2 * noise ** 2 / len(samples))
+    if not same_job:
+        spread = math.sqrt(spread ** 2 + 0.05 ** 2)  # another job's change transfers only roughly
+    return Effect(mean, spread, len(samples), same_job)
+
+
+def knob_effects(cases: Sequence[CaseRecord]) -> KnobEffects:
+    """Learn single-setting effects from every pair of ok cases that differ in one setting."""
+    groups: dict[tuple, list[CaseRecord]] = defaultdict(list)
+    settings_of: dict[tuple, dict[str, Any]] = {}
+    for case in cases:
+        if case.status != "ok":
+            continue
+        setup = setup_from_case(case)
+        settings = setup.settings()
+        full = (setup.identity(), tuple(sorted((k, _key(v)) for k, v in settings.items())))
+        groups[full].append(case)
+        settings_of[full] = settings
+    effects = KnobEffects()
+    # Repeats: identical setups, averaged in log space; their spread is the run-to-run noise.
+    means: dict[tuple, dict[str, float]] = {}
+    deviations: list[float] = []
+    for full, members in groups.items():
+        logs = {m: [math.log(c.measured.get(m, 0.0) + EPS_S) for c in members] for m in MEASURES}
+        means[full] = {m: statistics.fmean(v) for m, v in logs.items()}
+        if len(members) > 1:
+            step = logs["step_s"]
+            centre = statistics.fmean(step)
+            deviations += [(x - centre) ** 2 * len(step) / (len(step) - 1) for x in step]
+            effects.repeat_groups += 1
+    if deviations:
+        effects.repeat_noise = max(math.sqrt(statistics.fmean(deviations)), 0.005)
+    # Pairs differing in exactly one setting: bucket by identity + settings minus one key.
+    buckets: dict[tuple, list[tuple]] = defaultdict(list)
+    for full in means:
+        identity, items = full
+        for i, (name, _) in enumerate(items):
+            buckets[(identity, name, items[:i] + items[i + 1:])].append(full)
+    for (identity, name, _rest), members in buckets.items():
+        for i, x in enumerate(members):
+            for y in members[i + 1:]:
+                a, b = settings_of[x].get(name), settings_of[y].get(name)
+                diff = {m: means[y][m] - means[x][m] for m in MEASURES}
+                back = {m: -v for m, v in diff.items()}
+                for job_key, sample in (((identity, name, _key(a), _key(b)), diff), ((identity, name, _key(b), _key(a)), back)):
+                    effects.by_job[job_key].append(sample)
+                    effects.by_setting[job_key[1:]].append(sample)
+                if _positive(a) and _positive(b) and a != b:
+                    span = math.log(float(b) / float(a))
+                    slope = {m: diff[m] / span for m in MEASURES}
+                    effects.slopes[(identity, name)].append(slope)
+                    effects.slopes[(None, name)].append(slope)
+    return effects
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+
+
+__all__ = ["Effect", "KnobEffects", "knob_effects"]

@@ -1,0 +1,362 @@
+"""Forecast a setup's stage and step times from the case library and the theory model (the seed's method).
+
+Public API::
+
+    forecast_candidates(job, candidates, library, baseline_knobs=None) -> Forecast   # ranked fastest first
+    forecast_setup(job, knobs, cases) -> CandidateForecast
+    prepare(cases) -> Prepared          # fit theory + effects once, then forecast many setups
+
+Three methods, tried in order:
+
+1. **anchor** -- a measured run of the same job (same identity and RL mode) with a similar setup.
+   Its measured times are adjusted for each differing setting: by the change earlier runs measured
+   (:mod:`rltune.predict.effects`), else by theory (``theory(changed) / theory(case)``) if a term
+   reads that setting, else by a measured elasticity of a numeric setting, else not at all -- the
+   setting is then *uncertain* and its similarity weight is added to the anchor's uncertainty. An
+   anchor whose uncertainty exceeds :data:`ANCHOR_UNCERTAINTY_BUDGET`, or that needs more than
+   :data:`MAX_ANCHOR_ADJUSTMENTS` adjustments, is not used. An identical anchor gives its measured
+   step unchanged; repeats of the best anchor setup are averaged.
+2. **similar** -- the nearest cases (distance from :mod:`rltune.predict.setup`, score
+   ``exp(-d/2)``, weights = scores / their sum); each case's stage time is scaled by
+   ``theory(target) / theory(case)`` (and by measured effects for settings theory does not read),
+   and the forecast is the weighted average.
+3. **theory** -- no usable case: the (fitted or prior) theory model alone.
+
+Stage times combine into a step with :func:`rltune.steps.combine` under the target's RL mode; the
+step keeps each case's measured overhead beyond that rule (``step / combine(stages)``). The range
+is ``step x exp(+-z sigma)``, where sigma adds run-to-run noise (from repeated setups), each
+adjustment's spread, and the disagreement between cases; it is widened or narrowed by how well
+the ranges stored with earlier cases covered what was then measured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rltune.contracts.forecast import FORECAST_SCHEMA_VERSION, CandidateForecast, CaseWeight, Forecast
+from rltune.predict.effects import EPS_S, KnobEffects, knob_effects
+from rltune.predict.library import CaseLibrary, as_cases
+from rltune.predict.setup import (
+    Setup,
+    differences,
+    score,
+    setting_weight,
+    setup_from_case,
+    setup_from_job,
+)
+from rltune.predict.theory import STAGE_COLUMN, STAGES, TheoryModel, modelled_settings
+from rltune.steps import combine
+
+if TYPE_CHECKING:
+    from rltune.contracts.candidates import Candidates
+    from rltune.contracts.cases import CaseRecord
+    from rltune.contracts.job import JobSpec
+
+ANCHOR_UNCERTAINTY_BUDGET = 0.5
+MAX_ANCHOR_ADJUSTMENTS = 3
+MAX_SIMILAR_CASES = 8
+MAX_SIMILAR_DISTANCE = 8.0
+RANGE_Z = 1.645  # two-sided 90 % of a normal in log space, before calibration
+THEORY_ONLY_SIGMA = 0.5
+MIN_CALIBRATION_FORECASTS = 8
+
+
+class _SettingMatrix:
+    """Settings of every case as arrays, so one target's distance to 1,000 cases is a few numpy ops."""
+
+    def __init__(self, setups: Sequence[Setup]):
+        self.n = len(setups)
+        self.columns: dict[str, tuple[np.ndarray, np.ndarray, dict[str, int]]] = {}
+        all_settings = [s.settings() for s in setups]
+        names = sorted({k for s in all_settings for k in s})
+        for name in names:
+            values = [s.get(name) for s in all_settings]
+            codes_of: dict[str, int] = {}
+            codes = np.asarray([-1 if v is None else codes_of.setdefault(repr(v), len(codes_of)) for v in values])
+            logs = np.asarray([math.log2(v) if _positive(v) else np.nan for v in values])
+            self.columns[name] = (codes, logs, codes_of)
+        self.identity = [s.identity() + (s.rl_mode,) for s in setups]
+
+    def distances(self, target: Setup) -> np.ndarray:
+        d = np.zeros(self.n)
+        target_settings = target.settings()
+        for name, (codes, logs, codes_of) in self.columns.items():
+            value = target_settings.get(name)
+            kind, weight = setting_weight(name, value if value is not None else _first(codes_of))
+            missing = codes < 0
+            if value is None:
+                d += np.where(missing, 0.0, weight if kind == "cat" else 2 * weight)
+                continue
+            code = codes_of.get(repr(value), -2)
+            add = np.where(codes == code, 0.0, weight)
+            if kind == "num" and _positive(value):
+                numeric = ~np.isnan(logs)
+                add = np.where(numeric & (codes != code), weight * np.abs(np.nan_to_num(logs) - math.log2(value)), add)
+            add = np.where(missing, weight if kind == "cat" else 2 * weight, add)
+            d += add
+        for name, value in target_settings.items():
+            if name not in self.columns:
+                kind, weight = setting_weight(name, value)
+                d += weight if kind == "cat" else 2 * weight
+        return d
+
+
+def _first(codes_of: dict[str, int]) -> Any:
+    import ast
+
+    for text in codes_of:
+        try:
+            return ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            return text
+    return None
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+
+
+@dataclass
+class Prepared:
+    """The library made ready to forecast many setups: fitted theory, effects, arrays."""
+
+    cases: list[CaseRecord]
+    setups: list[Setup]
+    theory: TheoryModel
+    effects: KnobEffects
+    case_theory: dict[str, np.ndarray]
+    matrix: _SettingMatrix
+    range_scale: float
+    modelled: set[str]
+
+
+def prepare(cases: Sequence[CaseRecord], theory: TheoryModel | None = None, *, fit: bool = True) -> Prepared:
+    """Fit the theory to the ok cases (unless ``fit`` is False) and learn knob effects."""
+    ok = [c for c in cases if c.status == "ok"]
+    model = theory or TheoryModel()
+    if fit and ok:
+        model = model.fit(ok)
+    setups = [setup_from_case(c) for c in ok]
+    return Prepared(
+        cases=ok, setups=setups, theory=model, effects=knob_effects(ok),
+        case_theory=model.stages_many(setups) if setups else {s: np.zeros(0) for s in STAGES},
+        matrix=_SettingMatrix(setups), range_scale=range_calibration(ok), modelled=modelled_settings(),
+    )
+
+
+def range_calibration(cases: Sequence[CaseRecord]) -> float:
+    """Factor on sigma so that the stored ranges of earlier forecasts would have covered 85 %."""
+    ratios = []
+    for c in cases:
+        f = c.forecast or {}
+        if f.get("step_s") and f.get("low_s") and f.get("high_s") and f["high_s"] > f["low_s"] > 0:
+            half = math.log(f["high_s"] / f["low_s"]) / 2
+            if half > 0:
+                ratios.append(abs(math.log(c.step_s / f["step_s"])) / half)
+    if len(ratios) < MIN_CALIBRATION_FORECASTS:
+        return 1.0
+    return float(min(max(np.quantile(ratios, 0.85), 0.75), 3.0))
+
+
+@dataclass
+class _Estimate:
+    stages: dict[str, float]
+    step: float
+    sigma: float
+    uncertain: list[str]
+    weights: list[tuple[str, float, float]]  # run id, weight, distance
+
+
+def _case_stages(case: CaseRecord) -> dict[str, float]:
+    return {s: float(case.measured.get(STAGE_COLUMN[s], 0.0)) for s in STAGES}
+
+
+def _overhead(case: CaseRecord) -> float:
+    """How the case's measured step relates to its stages combined by its RL mode."""
+    stages = _case_stages(case)
+    combined, _ = combine(case.rl_mode, stages["rollout"], stages["training"], stages["weight_sync"])
+    return case.step_s / combined if combined > 0 else 1.0
+
+
+def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool) -> tuple[dict[str, float], float, float, list[str], float, int]:
+    """Move case ``index`` to the target: (stages, step, sigma^2 of adjustments, uncertain, load, adjustments)."""
+    case, setup = p.cases[index], p.setups[index]
+    stages = _case_stages(case)
+    step = case.step_s
+    var = 0.0
+    uncertain: list[str] = []
+    load = 0.0
+    diffs = differences(target, setup)
+    identity = setup.identity()
+    current = setup
+    if use_theory_for_all:
+        ratio = p.theory.ratio(target, setup)
+        before = combine(target.rl_mode, *(stages[s] for s in STAGES))[0]
+        stages = {s: stages[s] * ratio[s] for s in STAGES}
+        after = combine(target.rl_mode, *(stages[s] for s in STAGES))[0]
+        step = step * (after / before if before > 0 else 1.0)
+        var += sum((0.15 * math.log(max(r, 1e-9))) ** 2 for r in ratio.values()) / len(ratio)
+    for name, (a, b) in diffs.items():
+        effect = p.effects.lookup(name, a, b, identity)
+        if use_theory_for_all and name in p.modelled:
+            continue  # already scaled by theory(target) / theory(case)
+        if effect is not None:
+            for s in STAGES:
+                stages[s] = (stages[s] + EPS_S) * math.exp(effect.log_ratio[STAGE_COLUMN[s]]) - EPS_S
+            step = (step + EPS_S) * math.exp(effect.log_ratio["step_s"]) - EPS_S
+            var += effect.spread ** 2
+            current = current.with_setting(name, b)
+            continue
+        if name in p.modelled and not use_theory_for_all:
+            moved = current.with_setting(name, b)
+            ratio = p.theory.ratio(moved, current)
+            before = combine(moved.rl_mode, *(stages[s] for s in STAGES))[0]
+            stages = {s: stages[s] * ratio[s] for s in STAGES}
+            after = combine(moved.rl_mode, *(stages[s] for s in STAGES))[0]
+            step = step * (after / before if before > 0 else 1.0)
+            var += (0.05 + 0.2 * max(abs(math.log(max(r, 1e-9))) for r in ratio.values())) ** 2
+            current = moved
+            continue
+        slope = p.effects.elasticity(name, identity) if _positive(a) and _positive(b) else None
+        if slope is not None:
+            span = math.log(float(b) / float(a))
+            for s in STAGES:
+                stages[s] = (stages[s] + EPS_S) * math.exp(slope[STAGE_COLUMN[s]] * span) - EPS_S
+            step = (step + EPS_S) * math.exp(slope["step_s"] * span) - EPS_S
+            var += (0.03 + 0.3 * abs(slope["step_s"] * span)) ** 2
+            current = current.with_setting(name, b)
+            continue
+        if name == "rl_mode":  # the rule itself says how stages combine under another mode
+            before = combine(str(a), *(stages[s] for s in STAGES))[0]
+            after = combine(str(b), *(stages[s] for s in STAGES))[0]
+            step = step * (after / before if before > 0 else 1.0)
+            var += 0.1 ** 2
+            current = current.with_setting(name, b)
+            continue
+        uncertain.append(name)
+        kind, weight = setting_weight(name, a if a is not None else b)
+        load += weight
+        var += (0.1 * weight) ** 2
+    stages = {s: max(v, 0.0) for s, v in stages.items()}
+    return stages, max(step, 0.0), var, uncertain, load, len(diffs)
+
+
+def _anchor(p: Prepared, target: Setup, distances: np.ndarray) -> _Estimate | None:
+    key = target.identity() + (target.rl_mode,)
+    same = [i for i in np.argsort(distances, kind="stable") if p.matrix.identity[i] == key]
+    qualified = []
+    for i in same[:40]:
+        stages, step, var, uncertain, load, n_adjust = _adjust(p, int(i), target, use_theory_for_all=False)
+        if load <= ANCHOR_UNCERTAINTY_BUDGET and n_adjust - len(uncertain) <= MAX_ANCHOR_ADJUSTMENTS:
+            qualified.append((n_adjust, load, float(distances[i]), int(i), stages, step, var, uncertain))
+    if not qualified:
+        return None
+    best = min(q[0] for q in qualified)
+    chosen = [q for q in qualified if q[0] == best]
+    scores = np.asarray([score(q[2]) / (1.0 + q[1]) for q in chosen])
+    weights = scores / scores.sum()
+    stages = {s: float(sum(w * q[4][s] for w, q in zip(weights, chosen, strict=True))) for s in STAGES}
+    step = float(sum(w * q[5] for w, q in zip(weights, chosen, strict=True)))
+    var = float(sum(w * q[6] for w, q in zip(weights, chosen, strict=True))) / max(1.0, math.sqrt(len(chosen)))
+    spread = _log_spread([q[5] for q in chosen], weights)
+    noise = p.effects.repeat_noise
+    sigma = math.sqrt(noise ** 2 + var + spread ** 2)
+    uncertain = sorted({u for q in chosen for u in q[7]})
+    return _Estimate(stages, step, sigma, uncertain, [(p.cases[q[3]].run_id, float(w), q[2]) for w, q in zip(weights, chosen, strict=True)])
+
+
+def _similar(p: Prepared, target: Setup, distances: np.ndarray) -> _Estimate | None:
+    order = [int(i) for i in np.argsort(distances, kind="stable") if distances[i] <= MAX_SIMILAR_DISTANCE][:MAX_SIMILAR_CASES]
+    if not order:
+        return None
+    scores = np.asarray([score(float(distances[i])) for i in order])
+    weights = scores / scores.sum()
+    scaled = []
+    for i in order:
+        stages, step, var, uncertain, _load, _n = _adjust(p, i, target, use_theory_for_all=True)
+        scaled.append((stages, step, var, uncertain))
+    stages = {s: float(sum(w * x[0][s] for w, x in zip(weights, scaled, strict=True))) for s in STAGES}
+    combined = combine(target.rl_mode, stages["rollout"], stages["training"], stages["weight_sync"])[0]
+    overhead = float(sum(w * _overhead(p.cases[i]) for w, i in zip(weights, order, strict=True)))
+    step = combined * overhead
+    spread = _log_spread([x[1] for x in scaled], weights)
+    var = float(sum(w * x[2] for w, x in zip(weights, scaled, strict=True)))
+    nearest = float(distances[order[0]])
+    sigma = math.sqrt(p.effects.repeat_noise ** 2 + spread ** 2 + var + (0.05 + 0.04 * nearest) ** 2)
+    uncertain = sorted({u for w, x in zip(weights, scaled, strict=True) if w >= 0.1 for u in x[3]})
+    return _Estimate(stages, step, sigma, uncertain, [(p.cases[i].run_id, float(w), float(distances[i])) for w, i in zip(weights, order, strict=True)])
+
+
+def _log_spread(values: Sequence[float], weights: np.ndarray) -> float:
+    logs = np.log(np.maximum(np.asarray(values, dtype=float), EPS_S))
+    centre = float(np.dot(weights, logs))
+    return float(math.sqrt(max(float(np.dot(weights, (logs - centre) ** 2)), 0.0)))
+
+
+def forecast_prepared(p: Prepared, target: Setup, candidate: str = "baseline", overrides: dict[str, Any] | None = None) -> CandidateForecast:
+    """Forecast one setup against a prepared library."""
+    method = "theory"
+    estimate = None
+    if p.cases:
+        distances = p.matrix.distances(target)
+        estimate = _anchor(p, target, distances)
+        method = "anchor"
+        if estimate is None:
+            estimate = _similar(p, target, distances)
+            method = "similar"
+    if estimate is None:
+        method = "theory"
+        stages = p.theory.stages(target)
+        step = combine(target.rl_mode, stages["rollout"], stages["training"], stages["weight_sync"])[0]
+        estimate = _Estimate(stages, step, THEORY_ONLY_SIGMA, [], [])
+    _, limiting = combine(target.rl_mode, estimate.stages["rollout"], estimate.stages["training"], estimate.stages["weight_sync"])
+    half = RANGE_Z * estimate.sigma * p.range_scale
+    return CandidateForecast(
+        candidate=candidate, overrides=dict(overrides or {}),
+        stages_s={s: round(v, 6) for s, v in estimate.stages.items()}, step_s=round(estimate.step, 6),
+        range_s=[round(estimate.step * math.exp(-half), 6), round(estimate.step * math.exp(half), 6)],
+        limiting_stage=limiting, method=method, rl_mode=target.rl_mode,
+        cases=[CaseWeight(run_id=r, weight=round(w, 6), distance=round(d, 6)) for r, w, d in estimate.weights],
+        uncertain=estimate.uncertain,
+    )
+
+
+def forecast_setup(job: JobSpec, knobs: dict[str, Any], cases: CaseLibrary | Sequence[CaseRecord] | Prepared,
+                   *, theory: TheoryModel | None = None, candidate: str = "baseline") -> CandidateForecast:
+    """Forecast ``job`` run with ``knobs`` (merged over the job's baseline knobs)."""
+    p = cases if isinstance(cases, Prepared) else prepare(as_cases(cases if isinstance(cases, CaseLibrary) else list(cases)), theory)
+    overrides = {k: v for k, v in knobs.items() if job.knobs.get(k) != v}
+    return forecast_prepared(p, setup_from_job(job, knobs), candidate, overrides)
+
+
+def forecast_candidates(job: JobSpec, candidates: Candidates, library: CaseLibrary | Sequence[CaseRecord] | Prepared,
+                        baseline_knobs: dict[str, Any] | None = None, *, theory: TheoryModel | None = None,
+                        job_path: str = "", candidates_file: str = "", library_path: str = "") -> Forecast:
+    """Forecast every candidate, rank them fastest first and mark those worth a trial."""
+    p = library if isinstance(library, Prepared) else prepare(as_cases(library if isinstance(library, CaseLibrary) else list(library)), theory)
+    base_knobs = {**job.knobs, **(baseline_knobs if baseline_knobs is not None else candidates.baseline_knobs)}
+    baseline = forecast_prepared(p, setup_from_job(job, base_knobs), "baseline", {})
+    forecasts = []
+    for cand in candidates.candidates:
+        fc = forecast_prepared(p, setup_from_job(job, {**base_knobs, **cand.overrides}), cand.id, cand.overrides)
+        finish(fc, baseline.step_s, job.limits.min_forecast_gain_pct)
+        forecasts.append(fc)
+    forecasts.sort(key=lambda f: (f.step_s, f.candidate))
+    return Forecast(schema_version=FORECAST_SCHEMA_VERSION, job=job_path or job.name, candidates_file=candidates_file,
+                    library=library_path or str(getattr(library, "path", "")), baseline_step_s=baseline.step_s, forecasts=forecasts)
+
+
+def finish(fc: CandidateForecast, baseline_step_s: float, min_gain_pct: float) -> CandidateForecast:
+    """Set gain against the baseline and whether the candidate is worth a trial."""
+    fc.gain_pct = round(100.0 * (baseline_step_s - fc.step_s) / baseline_step_s, 4) if baseline_step_s > 0 else 0.0
+    fc.worth_trial = fc.gain_pct >= min_gain_pct
+    return fc
+
+
+__all__ = ["ANCHOR_UNCERTAINTY_BUDGET", "Prepared", "finish", "forecast_candidates", "forecast_prepared", "forecast_setup", "prepare",
+           "range_calibration"]

@@ -1,0 +1,320 @@
+"""The case library: every real run's setup, measured stage medians and pre-run forecast.
+
+Public API::
+
+    lib = CaseLibrary("cases/")
+    lib.append(record)            # atomic; the same run twice is a no-op, a different one is refused
+    lib.has(run_id) -> bool
+    lib.load(before=None) -> list[CaseRecord]   # ok and failed runs, oldest first
+    lib.skipped -> list[(path, reason)]         # unusable files seen by the last load
+    case_from_run(job, knobs, table, run_id, started_at, finished_at, status, forecast, warmup_steps)
+
+Layout: one Parquet file per run, ``cases/<run-id>-<hash>.parquet`` (format in
+:mod:`rltune.contracts.cases`). Appending writes a temp file, fsyncs it and links it into place
+with ``os.link``, which fails if the name exists -- so a crash leaves the run either fully in or
+out, and two writers of the same run cannot both win. Files whose names start with ``.`` (temp
+files of an interrupted append) or ``_`` are never read as cases.
+
+Loading 1,000 small files costs about a second, so the library keeps ``cases/_index.parquet``,
+a derived cache of every valid case keyed by (file name, size, mtime). A load reads the index,
+reads only files the index does not know, and rewrites the index atomically when anything
+changed. The index is never the truth: delete it and it is rebuilt; if it is corrupt it is
+ignored with a warning. A run file that is corrupt or half-written is reported with a
+:class:`CorruptCaseWarning` naming it and skipped -- never silently used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+import statistics
+import tempfile
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rltune.contracts.cases import (
+    STATUSES,
+    CaseRecord,
+    read_case_file,
+    record_to_row,
+    record_to_table,
+    row_to_record,
+    rows_to_table,
+    validate_table,
+)
+from rltune.errors import ArtifactError, RltuneError
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from rltune.contracts.forecast import CandidateForecast
+    from rltune.contracts.job import JobSpec
+
+INDEX_NAME = "_index.parquet"
+
+
+class CorruptCaseWarning(UserWarning):
+    """A case file could not be read or validated; it was skipped."""
+
+
+class DuplicateCaseError(RltuneError):
+    """A run id is already in the library with a different record."""
+
+
+class CaseDataError(RltuneError):
+    """A run's metrics cannot make a case (no measured steps, missing stage column)."""
+
+
+def case_file_name(run_id: str) -> str:
+    """File name of a run: readable prefix plus a hash, so any run id maps to one safe name."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", run_id).lstrip("._")[:80] or "run"
+    digest = hashlib.sha256(run_id.encode()).hexdigest()[:10]
+    return f"{safe}-{digest}.parquet"
+
+
+class CaseLibrary:
+    """A directory of case files; see the module docstring."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.skipped: list[tuple[str, str]] = []
+
+    def __repr__(self) -> str:
+        return f"CaseLibrary({str(self.path)!r})"
+
+    def has(self, run_id: str) -> bool:
+        return (self.path / case_file_name(run_id)).exists()
+
+    def append(self, record: CaseRecord) -> bool:
+        """Add one run atomically. Returns True if written, False if the identical run was already there.
+
+        Raises DuplicateCaseError if the run id is present with different content.
+        """
+        import pyarrow.parquet as pq
+
+        table = record_to_table(record)
+        self.path.mkdir(parents=True, exist_ok=True)
+        final = self.path / case_file_name(record.run_id)
+        if final.exists():
+            return self._same_or_refuse(final, record)
+        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f".{final.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                pq.write_table(table, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            try:
+                os.link(tmp, final)  # atomic, and refuses to replace: one writer of a run id wins
+            except FileExistsError:
+                return self._same_or_refuse(final, record)
+            except OSError:  # file systems without hard links: rename after the existence check
+                os.replace(tmp, final)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        _fsync_dir(self.path)
+        return True
+
+    def _same_or_refuse(self, existing: Path, record: CaseRecord) -> bool:
+        try:
+            stored = read_case_file(existing)
+        except ArtifactError as exc:
+            raise DuplicateCaseError(f"{existing}: run {record.run_id!r} already has a file, and it is unreadable ({exc.problem}); remove it and append again") from None
+        if record_to_row(stored) == record_to_row(record):
+            return False
+        raise DuplicateCaseError(f"{existing}: run {record.run_id!r} is already in the library with different content; give the new run its own run id")
+
+    def load(self, before: float | None = None, *, statuses: tuple[str, ...] = STATUSES) -> list[CaseRecord]:
+        """Every valid case (optionally only those finished at or before ``before``), oldest first."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self.skipped = []
+        if not self.path.exists():
+            return []
+        if not self.path.is_dir():
+            raise ArtifactError(str(self.path), "", "the case library must be a directory; pass --library cases/")
+        entries = {}
+        for entry in os.scandir(self.path):
+            if entry.name.endswith(".parquet") and not entry.name.startswith((".", "_")) and entry.is_file():
+                st = entry.stat()
+                entries[entry.name] = f"{entry.name}:{st.st_size}:{st.st_mtime_ns}"
+        index = self._read_index()
+        by_key: dict[str, dict[str, Any]] = {}
+        records: list[CaseRecord] = []
+        changed = len(index) != len(entries)
+        for name in sorted(entries):
+            key = entries[name]
+            row = index.get(key)
+            where = str(self.path / name)
+            if row is None:
+                changed = True
+                try:
+                    record = read_case_file(where)
+                except ArtifactError as exc:
+                    self._skip(where, str(exc))
+                    continue
+                if case_file_name(record.run_id) != name:
+                    self._skip(where, f"holds run {record.run_id!r}, whose file would be {case_file_name(record.run_id)}; it was copied or renamed by hand")
+                    continue
+                row = record_to_row(record)
+            else:
+                try:
+                    record = row_to_record(row, where)
+                except ArtifactError as exc:
+                    self._skip(where, str(exc))
+                    continue
+            by_key[key] = row
+            records.append(record)
+        if changed:
+            self._write_index(by_key, pa, pq)
+        records = [r for r in records if r.status in statuses and (before is None or r.finished_at <= before)]
+        records.sort(key=lambda r: (r.finished_at, r.run_id))
+        return records
+
+    def _skip(self, where: str, reason: str) -> None:
+        self.skipped.append((where, reason))
+        warnings.warn(CorruptCaseWarning(f"skipped case file {reason}"), stacklevel=3)
+
+    def _read_index(self) -> dict[str, dict[str, Any]]:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = self.path / INDEX_NAME
+        if not path.exists():
+            return {}
+        try:
+            table = pq.read_table(path)
+            keys = table.column("_key").to_pylist()
+            table = table.drop_columns(["_key"])
+            validate_table(table, str(path), one_row=False)
+        except (pa.ArrowException, OSError, KeyError, ArtifactError) as exc:
+            warnings.warn(CorruptCaseWarning(f"{path}: ignored the library index ({exc}); it will be rebuilt"), stacklevel=3)
+            return {}
+        return dict(zip(keys, table.to_pylist(), strict=True))
+
+    def _write_index(self, rows_by_key: dict[str, dict[str, Any]], pa: Any, pq: Any) -> None:
+        if not os.access(self.path, os.W_OK):
+            return  # a read-only library is still readable, just slower
+        keys = list(rows_by_key)
+        table = rows_to_table([rows_by_key[k] for k in keys])
+        table = table.append_column("_key", pa.array(keys, type=pa.string()))
+        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f".{INDEX_NAME}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                pq.write_table(table, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, self.path / INDEX_NAME)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot fsync a directory; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def job_facts(job: JobSpec) -> dict[str, Any]:
+    """The model and workload facts a case stores (``fact.*`` columns)."""
+    return {
+        "total_params": float(job.model.total_params),
+        "active_params": float(job.model.active_params),
+        "layers": float(job.model.layers),
+        "hidden": float(job.model.hidden),
+        "kv_heads": float(job.model.kv_heads),
+        "head_dim": float(job.model.head_dim),
+        "model_dtype": job.model.dtype,
+        "moe": 1.0 if job.model.moe else 0.0,
+        "tasks_per_batch": float(job.workload.tasks_per_batch),
+        "trials_per_task": float(job.workload.trials_per_task),
+        "answer_cap_tokens": float(job.workload.answer_cap_tokens),
+        "context_limit_tokens": float(job.workload.context_limit_tokens),
+        "trainer_gpus": float(job.gpus.trainer),
+        "rollout_gpus": float(job.gpus.rollout),
+    }
+
+
+def case_from_run(job: JobSpec, knobs: dict[str, Any], table: pa.Table, run_id: str, started_at: float,
+                  finished_at: float, status: str, forecast: CandidateForecast | None, warmup_steps: int) -> CaseRecord:
+    """Make a case from a run's stage table: medians over the same non-warm-up steps of every column.
+
+    Rows of ``run_id`` are used when the table holds several runs; a row counts as warm-up if its
+    ``warmup`` flag is set or it is among the first ``warmup_steps`` steps. For an 'ok' run every
+    stage column must have a value on each measured step, so all medians cover the same steps.
+    """
+    rows = table.to_pylist()
+    if "run_id" in table.column_names and any(r.get("run_id") == run_id for r in rows):
+        rows = [r for r in rows if r.get("run_id") == run_id]
+    rows.sort(key=lambda r: r.get("step", 0))
+    measured_rows = [r for i, r in enumerate(rows) if i >= warmup_steps and not r.get("warmup")]
+    required = ("step_s", "rollout_s", "training_s", "weight_sync_s")
+    if status == "ok":
+        if not measured_rows:
+            raise CaseDataError(f"run {run_id}: no measured steps after {warmup_steps} warm-up steps ({len(rows)} rows); run more steps")
+        for name in required:
+            missing = [r.get("step") for r in measured_rows if r.get(name) is None]
+            if missing:
+                raise CaseDataError(f"run {run_id}: column {name} has no value on steps {missing[:5]}; the log format must report every stage")
+    skip = {"run_id", "step", "warmup"}
+    columns = [c for c in table.column_names if c not in skip]
+    measured: dict[str, float] = {}
+    for name in columns:
+        values = [r[name] for r in measured_rows if isinstance(r.get(name), (int, float)) and not isinstance(r.get(name), bool)
+                  and math.isfinite(r[name])]
+        if values and len(values) == len(measured_rows):
+            measured[name] = float(statistics.median(values))
+    noise = None
+    steps = [r["step_s"] for r in measured_rows if r.get("step_s") is not None]
+    if len(steps) >= 2 and statistics.median(steps) > 0:
+        med = statistics.median(steps)
+        noise = 1.4826 * statistics.median(abs(s - med) for s in steps) / med
+    stored_forecast = None
+    if forecast is not None:
+        stored_forecast = {
+            "step_s": float(forecast.step_s), "low_s": float(forecast.range_s[0]), "high_s": float(forecast.range_s[1]),
+            "rollout_s": forecast.stages_s.get("rollout"), "training_s": forecast.stages_s.get("training"),
+            "weight_sync_s": forecast.stages_s.get("weight_sync"), "method": forecast.method,
+            "limiting_stage": forecast.limiting_stage,
+        }
+        stored_forecast = {k: v for k, v in stored_forecast.items() if v is not None}
+    merged_knobs = {**job.knobs, **knobs}
+    record = CaseRecord(
+        run_id=run_id, job=job.name, model=job.model.name, workload=job.workload.kind,
+        rl_mode=str(merged_knobs.get("rl_mode", "sync")), gpus=job.gpus.count, device=job.gpus.device,
+        status=status, started_at=float(started_at), finished_at=float(finished_at), warmup_steps=int(warmup_steps),
+        measured_steps=len(measured_rows), facts=job_facts(job), knobs=merged_knobs, measured=measured,
+        forecast=stored_forecast, step_noise_frac=noise, source=_source(table),
+    )
+    record.validate(run_id)
+    return record
+
+
+def _source(table: pa.Table) -> str | None:
+    meta = table.schema.metadata or {}
+    raw = meta.get(b"rltune.source")
+    return raw.decode() if raw else None
+
+
+def as_cases(library: CaseLibrary | list[CaseRecord] | str | os.PathLike) -> list[CaseRecord]:
+    """Accept a library, a path or a list; return the usable (ok) cases."""
+    if isinstance(library, list):
+        return [c for c in library if c.status == "ok"]
+    if not isinstance(library, CaseLibrary):
+        library = CaseLibrary(library)
+    return library.load(statuses=("ok",))
+
+
+__all__ = ["CaseDataError", "CaseLibrary", "CorruptCaseWarning", "DuplicateCaseError", "as_cases", "case_file_name", "case_from_run", "job_facts"]

@@ -1,0 +1,391 @@
+"""The theory model: one formula per stage for how its time changes with the configuration.
+
+Each stage time is a sum of *terms* from a registry (:data:`TERMS`); a term reads some settings
+(knobs or facts), owns named coefficients, and computes seconds for many setups at once (numpy
+arrays, so fitting on 1,000 cases and forecasting 100 candidates stay fast). The built-in terms:
+
+- training: ``6 x active params x tokens x passes / (trainer GPUs x efficiency)`` -- gradient
+  checkpointing adds a forward pass, no packing pays padding, each micro-batch pays a fixed cost;
+  the old-logprob pass (``reuse_rollout_logprobs: false``) adds ``2 x active x tokens``;
+- rollout: decode steps over the longest trial (``answer cap x turns``) per wave of concurrent
+  sequences -- concurrency is capped by KV-cache capacity, split over engines; static batching
+  waits for whole waves, continuous batching refills slots; each decode step reads the weights
+  (fp8 halves the bytes) and computes on the active batch; ``engine_compile`` scales the per-step
+  overhead; sandboxes add setup (cheaper with a prebuilt image) and execution per trial, divided
+  over the pool;
+- weight sync: a fixed cost plus bytes / bandwidth per transport (``sparse_delta`` ships only the
+  changed fraction);
+- an example effect term, the seed's routing-replay CPU copy (``routing_replay: true``).
+
+Coefficients start from physical priors per device class ('cpu' or 'gpu') and are fitted to the
+library with ``scipy.optimize.least_squares`` on log-times (a weak pull towards the priors keeps
+unidentified coefficients sane). :meth:`TheoryModel.fit` is cheap and is redone whenever the
+library changes; :func:`systematic_miss` reads the forecasts stored beside each case and says
+which stages the forecasts miss in one direction, the signal to refit or to register a new term
+(:func:`register_term`). A setting no term reads is not estimable by theory: the forecast must
+take it from measured pairs (:mod:`rltune.predict.effects`) or count it as uncertain.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rltune.predict.setup import Setup, setup_from_case
+
+if TYPE_CHECKING:
+    from rltune.contracts.cases import CaseRecord
+
+STAGES = ("rollout", "training", "weight_sync")
+STAGE_COLUMN = {"rollout": "rollout_s", "training": "training_s", "weight_sync": "weight_sync_s"}
+EPS_S = 1e-3  # seconds added before taking logs: a stage measured as 0 must not dominate the fit
+GPU_MEMORY_BYTES = {"H100": 80e9, "H200": 141e9, "B200": 180e9, "B300": 288e9, "A100": 80e9}
+BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "float32": 4.0, "bfloat16": 2.0}
+
+
+class Features:
+    """Vectorised access to the settings of many setups; values are memoised numpy arrays."""
+
+    def __init__(self, setups: Sequence[Setup]):
+        self.setups = list(setups)
+        self.n = len(self.setups)
+        self._settings = [s.settings() for s in self.setups]
+        self._memo: dict[tuple, np.ndarray] = {}
+
+    def num(self, name: str, default: float) -> np.ndarray:
+        key = ("num", name, default)
+        if key not in self._memo:
+            values = []
+            for s in self._settings:
+                v = s.get(name, default)
+                values.append(float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default)
+            self._memo[key] = np.asarray(values, dtype=float)
+        return self._memo[key]
+
+    def flag(self, name: str, default: bool) -> np.ndarray:
+        key = ("flag", name, default)
+        if key not in self._memo:
+            self._memo[key] = np.asarray([1.0 if _truthy(s.get(name, default)) else 0.0 for s in self._settings])
+        return self._memo[key]
+
+    def equals(self, name: str, value: str, default: str) -> np.ndarray:
+        key = ("eq", name, value, default)
+        if key not in self._memo:
+            self._memo[key] = np.asarray([1.0 if str(s.get(name, default)) == value else 0.0 for s in self._settings])
+        return self._memo[key]
+
+    def text(self, name: str, default: str) -> list[str]:
+        return [str(s.get(name, default)) for s in self._settings]
+
+    def derived(self, name: str, fn: Callable[[Features], np.ndarray]) -> np.ndarray:
+        key = ("derived", name)
+        if key not in self._memo:
+            self._memo[key] = fn(self)
+        return self._memo[key]
+
+
+def _truthy(v: Any) -> bool:
+    if isinstance(v, str):
+        return v.lower() in ("true", "1", "yes", "on")
+    return bool(v)
+
+
+# ---- shared derived quantities -------------------------------------------------------------------
+
+def samples(f: Features) -> np.ndarray:
+    return np.maximum(f.num("batch", 1.0), 1.0)
+
+
+def turns(f: Features) -> np.ndarray:
+    def compute(f: Features) -> np.ndarray:
+        multi = 1.0 - f.equals("workload", "math", "math")
+        cap = np.maximum(f.num("answer_cap_tokens", 256.0), 1.0)
+        by_context = np.maximum(f.num("context_limit_tokens", 4096.0) / cap, 1.0)
+        return 1.0 + multi * (np.minimum(3.0, by_context) - 1.0)
+    return f.derived("turns", compute)
+
+
+def gen_len(f: Features) -> np.ndarray:
+    return f.num("answer_cap_tokens", 256.0) * turns(f)
+
+
+def seq_len(f: Features) -> np.ndarray:
+    return np.minimum(f.num("context_limit_tokens", 1e9), 1.5 * gen_len(f))
+
+
+def trainer_devices(f: Features) -> np.ndarray:
+    def compute(f: Features) -> np.ndarray:
+        gpus = f.num("gpus", 0.0)
+        half = np.maximum(gpus / 2.0, 1.0)
+        base = np.where(f.num("trainer_gpus", 0.0) > 0, f.num("trainer_gpus", 0.0), half)
+        return np.where(gpus > 0, np.maximum(base, 1.0), 1.0)
+    return f.derived("trainer_devices", compute)
+
+
+def engines(f: Features) -> np.ndarray:
+    return np.maximum(f.num("num_engines", 1.0), 1.0)
+
+
+def engine_tp(f: Features) -> np.ndarray:
+    return np.maximum(f.num("engine_tp", 1.0), 1.0)
+
+
+def weight_bytes(f: Features) -> np.ndarray:
+    def compute(f: Features) -> np.ndarray:
+        dtypes = f.text("weight_dtype", "")
+        model = f.text("model_dtype", "bf16")
+        per = np.asarray([BYTES_PER_WEIGHT.get(d or m, 2.0) for d, m in zip(dtypes, model, strict=True)])
+        return f.num("total_params", 1e9) * per
+    return f.derived("weight_bytes", compute)
+
+
+def concurrency_per_engine(f: Features) -> np.ndarray:
+    """Sequences one engine decodes at once: its setting, capped by KV-cache capacity on a GPU."""
+    def compute(f: Features) -> np.ndarray:
+        wanted = np.maximum(f.num("engine_max_concurrency", 16.0), 1.0)
+        memory = np.asarray([GPU_MEMORY_BYTES.get(d, 0.0) for d in f.text("device", "cpu")])
+        kv_bytes = 1.0 + 1.0 * f.equals("kv_cache_dtype", "auto", "auto")  # fp8 cache: 1 byte
+        per_token = 2.0 * f.num("layers", 32.0) * f.num("kv_heads", 8.0) * f.num("head_dim", 128.0) * kv_bytes
+        free = np.maximum(memory * engine_tp(f) * 0.9 - weight_bytes(f), 0.05 * memory * engine_tp(f))
+        capacity = free / np.maximum(per_token * seq_len(f), 1.0)
+        return np.where(memory > 0, np.maximum(np.minimum(wanted, capacity), 1.0), wanted)
+    return f.derived("concurrency_per_engine", compute)
+
+
+def decode_steps(f: Features, fill: float | np.ndarray) -> np.ndarray:
+    """Decode iterations of the busiest engine: whole waves (static) or refilled slots (continuous)."""
+    per_engine = samples(f) / engines(f)
+    waves = per_engine / concurrency_per_engine(f)
+    static = f.equals("engine_batching", "static", "continuous")
+    continuous_waves = np.maximum(1.0, waves * fill)
+    return gen_len(f) * (static * np.ceil(np.maximum(waves, 1.0)) + (1 - static) * continuous_waves)
+
+
+def batch_per_step(f: Features) -> np.ndarray:
+    return np.minimum(concurrency_per_engine(f), samples(f) / engines(f))
+
+
+def train_tokens(f: Features) -> np.ndarray:
+    return samples(f) * seq_len(f)
+
+
+# ---- the term registry ---------------------------------------------------------------------------
+
+@dataclass
+class Term:
+    """One additive contribution to a stage's time."""
+
+    stage: str
+    name: str
+    reads: tuple[str, ...]
+    priors: dict[str, tuple[float, float]]  # coefficient -> (cpu prior, gpu prior)
+    compute: Callable[[Features, dict[str, float]], np.ndarray]
+    doc: str = ""
+
+
+TERMS: list[Term] = []
+
+
+def register_term(stage: str, name: str, reads: Sequence[str], priors: dict[str, tuple[float, float]],
+                  compute: Callable[[Features, dict[str, float]], np.ndarray], doc: str = "") -> Term:
+    """Add a term for an effect the formulas miss (e.g. a CPU copy profiling found)."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; expected one of {', '.join(STAGES)}")
+    if any(t.name == name and t.stage == stage for t in TERMS):
+        raise ValueError(f"a {stage} term named {name!r} is already registered")
+    term = Term(stage, name, tuple(reads), dict(priors), compute, doc)
+    TERMS.append(term)
+    return term
+
+
+def _training_compute(f: Features, c: dict[str, float]) -> np.ndarray:
+    padding = 1.0 + c["padding_overhead"] * (1.0 - f.flag("packing", False))
+    checkpoint = 1.0 + c["checkpoint_overhead"] * f.flag("grad_checkpointing", False)
+    flops = 6.0 * f.num("active_params", 1e9) * train_tokens(f)
+    return c["s_per_train_flop"] * flops * padding * checkpoint / trainer_devices(f)
+
+
+def _training_microbatches(f: Features, c: dict[str, float]) -> np.ndarray:
+    mb = np.maximum(f.num("micro_batch_size", 0.0), 0.0)
+    count = np.where(mb > 0, np.ceil(samples(f) / np.maximum(mb, 1.0)), 1.0)
+    return c["s_per_micro_batch"] * count / np.maximum(trainer_devices(f) / np.maximum(f.num("trainer_tp", 1.0), 1.0), 1.0)
+
+
+def _old_logprob(f: Features, c: dict[str, float]) -> np.ndarray:
+    separate = 1.0 - f.flag("reuse_rollout_logprobs", False)
+    flops = 2.0 * f.num("active_params", 1e9) * train_tokens(f)
+    return separate * c["s_per_logprob_flop"] * flops / trainer_devices(f)
+
+
+def _decode(f: Features, c: dict[str, float]) -> np.ndarray:
+    overhead = c["s_per_decode_step"] * (1.0 - (1.0 - c["compile_factor"]) * f.flag("engine_compile", False))
+    weights = c["s_per_weight_byte"] * weight_bytes(f) / engine_tp(f)
+    compute = c["s_per_decode_flop"] * 2.0 * f.num("active_params", 1e9) * batch_per_step(f) / engine_tp(f)
+    return decode_steps(f, c["continuous_fill"]) * (overhead + weights + compute)
+
+
+def _sandbox(f: Features, c: dict[str, float]) -> np.ndarray:
+    tool = 1.0 - f.equals("workload", "math", "math")
+    setup = c["sandbox_build_s"] * (1.0 - (1.0 - c["prebuilt_factor"]) * f.flag("prebuilt_image", False))
+    per_trial = setup + c["sandbox_exec_s"] * turns(f)
+    pool = np.maximum(f.num("sandbox_pool_size", 8.0) * np.maximum(f.num("sandbox_hosts", 1.0), 1.0), 1.0)
+    return tool * per_trial * samples(f) / pool
+
+
+def _weight_sync(f: Features, c: dict[str, float]) -> np.ndarray:
+    fs = f.equals("sync_transport", "filesystem", "broadcast")
+    inproc = f.equals("sync_transport", "inprocess", "broadcast")
+    delta = f.equals("sync_transport", "sparse_delta", "broadcast")
+    other = 1.0 - fs - inproc - delta
+    per_byte = fs * c["s_per_byte_filesystem"] + inproc * c["s_per_byte_inprocess"] + other * c["s_per_byte_broadcast"] \
+        + delta * c["s_per_byte_filesystem"] * c["delta_fraction"]
+    fixed = fs * c["sync_fixed_filesystem_s"] + inproc * c["sync_fixed_inprocess_s"] + other * c["sync_fixed_broadcast_s"] \
+        + delta * c["sync_fixed_delta_s"]
+    return fixed + per_byte * weight_bytes(f) * engines(f)
+
+
+def _routing_replay(f: Features, c: dict[str, float]) -> np.ndarray:
+    return f.flag("routing_replay", False) * c["s_per_routing_token"] * train_tokens(f) * f.num("layers", 32.0) / trainer_devices(f)
+
+
+register_term("training", "compute", ("batch", "answer_cap_tokens", "context_limit_tokens", "active_params", "gpus", "trainer_gpus",
+                                      "packing", "grad_checkpointing", "workload"),
+              {"s_per_train_flop": (3e-11, 3e-15), "padding_overhead": (0.3, 0.3), "checkpoint_overhead": (0.33, 0.33)},
+              _training_compute, "6 x active x tokens / trainer GPUs, with padding and recompute")
+register_term("training", "micro_batches", ("micro_batch_size", "batch", "trainer_gpus", "trainer_tp"),
+              {"s_per_micro_batch": (0.01, 0.05)}, _training_microbatches, "fixed cost per micro-batch")
+register_term("training", "old_logprob_pass", ("reuse_rollout_logprobs", "batch", "active_params"),
+              {"s_per_logprob_flop": (3e-11, 3e-15)}, _old_logprob, "separate forward pass for old log-probs")
+register_term("training", "fixed", (), {"training_fixed_s": (0.02, 1.0)}, lambda f, c: np.full(f.n, c["training_fixed_s"]))
+register_term("rollout", "decode", ("batch", "answer_cap_tokens", "context_limit_tokens", "engine_max_concurrency", "num_engines",
+                                    "engine_batching", "engine_compile", "engine_tp", "kv_cache_dtype", "weight_dtype", "total_params",
+                                    "active_params", "workload", "device"),
+              {"s_per_decode_step": (2e-3, 0.01), "compile_factor": (0.7, 0.7), "s_per_weight_byte": (1e-10, 2.5e-13),
+               "s_per_decode_flop": (3e-11, 3e-15), "continuous_fill": (0.7, 0.7)},
+              _decode, "decode steps over the longest trial per wave x cost of one step")
+register_term("rollout", "sandbox", ("workload", "sandbox_pool_size", "sandbox_hosts", "prebuilt_image", "batch"),
+              {"sandbox_build_s": (0.5, 120.0), "prebuilt_factor": (0.2, 0.2), "sandbox_exec_s": (0.05, 5.0)},
+              _sandbox, "sandbox setup and execution per trial, over the pool")
+register_term("rollout", "fixed", (), {"rollout_fixed_s": (0.02, 1.0)}, lambda f, c: np.full(f.n, c["rollout_fixed_s"]))
+register_term("weight_sync", "transfer", ("sync_transport", "total_params", "weight_dtype", "num_engines"),
+              {"s_per_byte_filesystem": (1e-9, 1e-9), "s_per_byte_inprocess": (2e-10, 1e-10), "s_per_byte_broadcast": (2e-10, 2e-11),
+               "delta_fraction": (0.1, 0.1), "sync_fixed_filesystem_s": (0.02, 1.0), "sync_fixed_inprocess_s": (0.005, 0.5),
+               "sync_fixed_broadcast_s": (0.01, 0.5), "sync_fixed_delta_s": (0.02, 1.0)},
+              _weight_sync, "fixed cost + bytes / bandwidth per transport")
+register_term("training", "routing_replay_copy", ("routing_replay",), {"s_per_routing_token": (1e-9, 2e-10)}, _routing_replay,
+              "CPU copy of rollout routing data per token and layer (the seed's routing-replay cost)")
+
+
+def device_class(device: str) -> str:
+    return "cpu" if device.lower() == "cpu" else "gpu"
+
+
+def prior_coefficients(device: str) -> dict[str, float]:
+    column = 0 if device_class(device) == "cpu" else 1
+    return {name: prior[column] for term in TERMS for name, prior in term.priors.items()}
+
+
+def modelled_settings() -> set[str]:
+    """Settings at least one term reads: the ones theory can estimate a change of."""
+    return {name for term in TERMS for name in term.reads}
+
+
+@dataclass
+class TheoryModel:
+    """Coefficients per device class ('cpu' / 'gpu'); missing classes use the priors."""
+
+    coefficients: dict[str, dict[str, float]] = field(default_factory=dict)
+    fitted_on: dict[str, int] = field(default_factory=dict)
+
+    def coefficients_for(self, device: str) -> dict[str, float]:
+        return {**prior_coefficients(device), **self.coefficients.get(device_class(device), {})}
+
+    def stages_many(self, setups: Sequence[Setup]) -> dict[str, np.ndarray]:
+        """Theory seconds per stage for many setups (grouped by device class)."""
+        out = {stage: np.zeros(len(setups)) for stage in STAGES}
+        groups: dict[str, list[int]] = {}
+        for i, s in enumerate(setups):
+            groups.setdefault(device_class(s.device), []).append(i)
+        for cls, idx in groups.items():
+            f = Features([setups[i] for i in idx])
+            coeffs = self.coefficients_for("cpu" if cls == "cpu" else "gpu")
+            for stage, values in _stage_sums(f, coeffs).items():
+                out[stage][idx] = values
+        return out
+
+    def stages(self, setup: Setup) -> dict[str, float]:
+        many = self.stages_many([setup])
+        return {stage: float(values[0]) for stage, values in many.items()}
+
+    def ratio(self, target: Setup, case: Setup) -> dict[str, float]:
+        """theory(target) / theory(case) per stage: how the seed scales a case to the target."""
+        both = self.stages_many([target, case])
+        return {stage: float(v[0] / v[1]) if v[1] > 0 else 1.0 for stage, v in both.items()}
+
+    def fit(self, cases: Sequence[CaseRecord], prior_weight: float = 0.1) -> TheoryModel:
+        """A new model with coefficients fitted to the ok cases (least squares on log-times)."""
+        from scipy.optimize import least_squares
+
+        fitted = TheoryModel(dict(self.coefficients), dict(self.fitted_on))
+        groups: dict[str, list[CaseRecord]] = {}
+        for case in cases:
+            if case.status == "ok":
+                groups.setdefault(device_class(case.device), []).append(case)
+        for cls, group in groups.items():
+            f = Features([setup_from_case(c) for c in group])
+            measured = {stage: np.asarray([c.measured.get(STAGE_COLUMN[stage], 0.0) for c in group]) for stage in STAGES}
+            start = self.coefficients_for("cpu" if cls == "cpu" else "gpu")
+            names = sorted(start)
+            prior = prior_coefficients("cpu" if cls == "cpu" else "gpu")
+            theta0 = np.log([start[n] for n in names])
+            theta_prior = np.log([prior[n] for n in names])
+
+            def residuals(theta: np.ndarray, f: Features = f, measured: dict = measured, names: list = names,
+                          theta_prior: np.ndarray = theta_prior) -> np.ndarray:
+                coeffs = dict(zip(names, np.exp(theta), strict=True))
+                sums = _stage_sums(f, coeffs)
+                parts = [np.log(sums[s] + EPS_S) - np.log(measured[s] + EPS_S) for s in STAGES]
+                parts.append(prior_weight * (theta - theta_prior))
+                return np.concatenate(parts)
+
+            result = least_squares(residuals, theta0, method="trf", x_scale=1.0, max_nfev=200 * len(names))
+            fitted.coefficients[cls] = dict(zip(names, (float(x) for x in np.exp(result.x)), strict=True))
+            fitted.fitted_on[cls] = len(group)
+        return fitted
+
+
+def _stage_sums(f: Features, coeffs: dict[str, float]) -> dict[str, np.ndarray]:
+    sums = {stage: np.zeros(f.n) for stage in STAGES}
+    for term in TERMS:
+        sums[term.stage] = sums[term.stage] + term.compute(f, coeffs)
+    return sums
+
+
+def systematic_miss(cases: Sequence[CaseRecord], *, last: int = 10, min_bias: float = 0.05, share: float = 0.7) -> dict[str, float]:
+    """Stages whose stored forecasts missed in one direction: stage -> median log(measured/forecast).
+
+    Looks at the ``last`` ok cases that carry a forecast; a stage is reported when the median miss
+    exceeds ``min_bias`` and at least ``share`` of the misses have its sign -- a systematic miss,
+    the cue to refit the coefficients or add a term.
+    """
+    with_forecast = [c for c in cases if c.status == "ok" and c.forecast][-last:]
+    out: dict[str, float] = {}
+    for stage in STAGES:
+        column = STAGE_COLUMN[stage]
+        misses = [math.log((c.measured[column] + EPS_S) / (c.forecast[column] + EPS_S))
+                  for c in with_forecast if c.forecast.get(column) is not None and column in c.measured]
+        if len(misses) < 3:
+            continue
+        median = float(np.median(misses))
+        same_sign = sum(1 for m in misses if m * median > 0) / len(misses)
+        if abs(median) > min_bias and same_sign >= share:
+            out[stage] = median
+    return out
+
+
+__all__ = ["STAGES", "TERMS", "Features", "Term", "TheoryModel", "device_class", "modelled_settings", "prior_coefficients",
+           "register_term", "systematic_miss"]
