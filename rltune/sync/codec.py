@@ -1,0 +1,478 @@
+"""Near-entropy codec for one tensor's changes: (flat indices, wire-bit differences) <-> bytes.
+
+The byte layout is specified in docs/delta-format.md ("Codec stream"). Per block of up to 65536
+changes: index gaps are Rice-coded (near-optimal for the geometric gaps of Bernoulli positions) and
+zigzagged value differences are rANS-coded with the block's own static frequency table over up to
+32 interleaved lanes. Blocks are independent and lanes decode in parallel, which is what a GPU
+decoder needs. A tensor whose changed fraction makes a *dense* stream (a value for every element,
+no positions) smaller goes dense.
+
+The coder loops run under numba (``@njit(cache=True)``); the block framing is plain Python.
+
+Example::
+
+    import numpy as np
+    from rltune.sync import codec
+    idx = np.array([3, 10, 11], dtype=np.int64)          # flat indices, ascending, unique
+    diff = np.array([1, -1, 2], dtype=np.int64)          # (new - old) wire bits, signed
+    blob = codec.encode(idx, diff, bits=16, start=0, stop=100)
+    idx2, diff2 = codec.decode(blob, start=0, stop=100)  # validated against the range
+    bound = codec.order0_bound_bytes(100, diff)           # the entropy bound the codec is measured against
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numba
+import numpy as np
+
+from rltune.sync.format import CodecError
+
+MODE_SPARSE = 1
+MODE_DENSE = 2
+BLOCK_CHANGES = 65536
+MAX_LANES = 32
+SYMBOLS_PER_LANE = 2048  # fewer lanes for small blocks, so lane headers stay negligible
+SCALE_BITS = 15
+RANS_L = 1 << 23
+N_DIRECT = 64  # zigzag values below this are their own symbol
+N_SYMBOLS_MAX = N_DIRECT + 26  # + one bucket per bit length 7..32
+RICE_ESCAPE_Q = 32
+RICE_RAW_BITS = 40
+_STREAM = struct.Struct("<BBHIQQQ")  # mode, bits, reserved, n_blocks, n_changes, start, stop
+_BLOCK_FIXED = struct.Struct("<IQBBBB")  # count, first, rice_k, n_lanes, scale_bits, n_symbols
+
+
+# ----------------------------------------------------------------------------------------------
+# numba kernels (int64 everywhere: numba promotes mixed uint64/int64 to float)
+
+
+@numba.njit(cache=True)
+def _put_bits(buf, pos, value, nbits):
+    while nbits > 0:
+        off = pos & 7
+        take = min(8 - off, nbits)
+        buf[pos >> 3] |= np.uint8((value & ((np.int64(1) << take) - 1)) << off)
+        value >>= take
+        pos += take
+        nbits -= take
+    return pos
+
+
+@numba.njit(cache=True)
+def _get_bits(buf, pos, nbits):
+    value = np.int64(0)
+    shift = 0
+    while nbits > 0:
+        off = pos & 7
+        take = min(8 - off, nbits)
+        value |= ((np.int64(buf[pos >> 3]) >> off) & ((np.int64(1) << take) - 1)) << shift
+        shift += take
+        pos += take
+        nbits -= take
+    return value
+
+
+@numba.njit(cache=True)
+def _rice_cost_bits(gaps, k):
+    total = np.int64(0)
+    for g in gaps:
+        q = g >> k
+        total += (RICE_ESCAPE_Q + RICE_RAW_BITS) if q >= RICE_ESCAPE_Q else q + 1 + k
+    return total
+
+
+@numba.njit(cache=True)
+def _rice_encode(gaps, k, buf):
+    pos = np.int64(0)
+    for g in gaps:
+        q = g >> k
+        if q >= RICE_ESCAPE_Q:
+            pos = _put_bits(buf, pos, (np.int64(1) << RICE_ESCAPE_Q) - 1, RICE_ESCAPE_Q)
+            pos = _put_bits(buf, pos, g, RICE_RAW_BITS)
+        else:
+            pos = _put_bits(buf, pos, (np.int64(1) << q) - 1, q)
+            pos += 1  # the terminating zero bit (buffer is zeroed)
+            pos = _put_bits(buf, pos, g & ((np.int64(1) << k) - 1), k)
+    return (pos + 7) >> 3
+
+
+@numba.njit(cache=True)
+def _rice_decode(buf, n_gaps, k, first, stop, out):
+    """Fill out[0..n_gaps] with indices; return 0, or a negative error code."""
+    total_bits = np.int64(buf.shape[0]) * 8
+    pos = np.int64(0)
+    prev = first
+    out[0] = first
+    for j in range(1, n_gaps + 1):
+        q = 0
+        while True:
+            if pos >= total_bits:
+                return -1
+            bit = (buf[pos >> 3] >> (pos & 7)) & 1
+            pos += 1
+            if bit == 0:
+                break
+            q += 1
+            if q == RICE_ESCAPE_Q:
+                break
+        if q == RICE_ESCAPE_Q:
+            if pos + RICE_RAW_BITS > total_bits:
+                return -1
+            g = _get_bits(buf, pos, RICE_RAW_BITS)
+            pos += RICE_RAW_BITS
+        else:
+            if pos + k > total_bits:
+                return -1
+            g = (np.int64(q) << k) | _get_bits(buf, pos, k)
+            pos += k
+        prev = prev + g + 1
+        if prev >= stop:
+            return -2
+        out[j] = prev
+    if (pos + 7) >> 3 != buf.shape[0]:
+        return -3
+    return 0
+
+
+@numba.njit(cache=True)
+def _symbolize(zz, syms, extra):
+    """Symbols of zigzag values; large values' low bits go to the ``extra`` bit stream."""
+    pos = np.int64(0)
+    for j in range(zz.shape[0]):
+        z = zz[j]
+        if z < N_DIRECT:
+            syms[j] = z
+        else:
+            nb = 0
+            t = z
+            while t > 0:
+                nb += 1
+                t >>= 1
+            syms[j] = N_DIRECT + nb - 7
+            pos = _put_bits(extra, pos, z - (np.int64(1) << (nb - 1)), nb - 1)
+    return (pos + 7) >> 3
+
+
+@numba.njit(cache=True)
+def _desymbolize(syms, extra, zz):
+    total_bits = np.int64(extra.shape[0]) * 8
+    pos = np.int64(0)
+    for j in range(syms.shape[0]):
+        s = np.int64(syms[j])
+        if s < N_DIRECT:
+            zz[j] = s
+        else:
+            nb = s - N_DIRECT + 7
+            if pos + nb - 1 > total_bits:
+                return -1
+            zz[j] = (np.int64(1) << (nb - 1)) | _get_bits(extra, pos, nb - 1)
+            pos += nb - 1
+    if (pos + 7) >> 3 != extra.shape[0]:
+        return -3
+    return 0
+
+
+@numba.njit(cache=True)
+def _rans_encode(syms, n_lanes, freq, cum, scale_bits, out, lane_lens):
+    n = syms.shape[0]
+    per_lane = (n + n_lanes - 1) // n_lanes
+    tmp = np.empty(per_lane * 2 + 8, dtype=np.uint8)
+    o = 0
+    x_max_unit = (RANS_L >> scale_bits) << 8
+    for lane in range(n_lanes):
+        x = np.int64(RANS_L)
+        p = tmp.shape[0]
+        j = lane + ((n - 1 - lane) // n_lanes) * n_lanes
+        while j >= lane:
+            s = syms[j]
+            f = np.int64(freq[s])
+            x_max = x_max_unit * f
+            while x >= x_max:
+                p -= 1
+                tmp[p] = x & 0xFF
+                x >>= 8
+            x = ((x // f) << scale_bits) + (x % f) + cum[s]
+            j -= n_lanes
+        p -= 4
+        tmp[p] = x & 0xFF
+        tmp[p + 1] = (x >> 8) & 0xFF
+        tmp[p + 2] = (x >> 16) & 0xFF
+        tmp[p + 3] = (x >> 24) & 0xFF
+        size = tmp.shape[0] - p
+        out[o:o + size] = tmp[p:]
+        lane_lens[lane] = size
+        o += size
+    return o
+
+
+@numba.njit(cache=True)
+def _rans_decode(buf, lane_lens, n, n_lanes, freq, cum, lookup, scale_bits, out):
+    mask = (np.int64(1) << scale_bits) - 1
+    off = np.int64(0)
+    for lane in range(n_lanes):
+        end = off + lane_lens[lane]
+        if lane_lens[lane] < 4 or end > buf.shape[0]:
+            return -1
+        x = (np.int64(buf[off]) | (np.int64(buf[off + 1]) << 8) | (np.int64(buf[off + 2]) << 16)
+             | (np.int64(buf[off + 3]) << 24))
+        p = off + 4
+        j = lane
+        while j < n:
+            slot = x & mask
+            s = lookup[slot]
+            x = np.int64(freq[s]) * (x >> scale_bits) + slot - cum[s]
+            while x < RANS_L:
+                if p >= end:
+                    return -1
+                x = (x << 8) | np.int64(buf[p])
+                p += 1
+            out[j] = s
+            j += n_lanes
+        if p != end or x != RANS_L:
+            return -4
+        off = end
+    if off != buf.shape[0]:
+        return -3
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# numpy helpers
+
+
+def zigzag(d: np.ndarray) -> np.ndarray:
+    d = d.astype(np.int64, copy=False)
+    return (d << 1) ^ (d >> 63)
+
+
+def unzigzag(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.int64, copy=False)
+    return (z >> 1) ^ -(z & 1)
+
+
+def _normalize_freqs(counts: np.ndarray, scale_bits: int) -> np.ndarray:
+    total = int(counts.sum())
+    m = 1 << scale_bits
+    f = np.where(counts > 0, np.maximum(1, (counts.astype(np.int64) * m) // total), 0)
+    f[int(np.argmax(f))] += m - int(f.sum())  # the largest symbol absorbs the rounding (<= 90 units)
+    return f
+
+
+def _varint(values: np.ndarray) -> bytes:
+    out = bytearray()
+    for v in values.tolist():
+        while v >= 0x80:
+            out.append((v & 0x7F) | 0x80)
+            v >>= 7
+        out.append(v)
+    return bytes(out)
+
+
+def _read_varints(data: memoryview, pos: int, count: int) -> tuple[np.ndarray, int]:
+    vals = np.zeros(count, dtype=np.int64)
+    for i in range(count):
+        v = shift = 0
+        while True:
+            if pos >= len(data) or shift > 21:
+                raise CodecError("frequency table runs past its block or holds a value over 2^21")
+            b = data[pos]
+            pos += 1
+            v |= (b & 0x7F) << shift
+            shift += 7
+            if b < 0x80:
+                break
+        vals[i] = v
+    return vals, pos
+
+
+def _encode_block(first: int, gaps: np.ndarray | None, zz: np.ndarray) -> bytes:
+    count = zz.shape[0]
+    rice_k, gap_bytes = 0, b""
+    if gaps is not None and gaps.shape[0]:
+        mean = float(gaps.mean())
+        k0 = max(0, int(math.log2(mean + 1.0)))
+        candidates = range(max(0, k0 - 3), min(RICE_RAW_BITS - 1, k0 + 3) + 1)
+        rice_k = min(candidates, key=lambda k: _rice_cost_bits(gaps, k))
+        buf = np.zeros((_rice_cost_bits(gaps, rice_k) + 7) // 8 + 8, dtype=np.uint8)
+        gap_bytes = buf[:_rice_encode(gaps, rice_k, buf)].tobytes()
+    syms = np.empty(count, dtype=np.uint8)
+    extra = np.zeros(count * 4 + 8, dtype=np.uint8)
+    extra_bytes = extra[:_symbolize(zz, syms, extra)].tobytes()
+    counts = np.bincount(syms, minlength=1)
+    freq = _normalize_freqs(counts, SCALE_BITS)
+    cum = np.concatenate(([0], np.cumsum(freq)[:-1])).astype(np.int64)
+    n_lanes = max(1, min(MAX_LANES, count // SYMBOLS_PER_LANE))
+    out = np.empty(count * 2 + 8 * n_lanes, dtype=np.uint8)
+    lane_lens = np.zeros(n_lanes, dtype=np.uint32)
+    used = _rans_encode(syms, n_lanes, freq, cum, SCALE_BITS, out, lane_lens)
+    return b"".join((
+        _BLOCK_FIXED.pack(count, first, rice_k, n_lanes, SCALE_BITS, freq.shape[0]),
+        _varint(freq),
+        struct.pack("<I", len(gap_bytes)), gap_bytes,
+        struct.pack("<I", len(extra_bytes)), extra_bytes,
+        lane_lens.astype("<u4").tobytes(), out[:used].tobytes(),
+    ))
+
+
+def _encode_stream(mode: int, bits: int, start: int, stop: int, idx: np.ndarray, zz: np.ndarray) -> bytes:
+    n = zz.shape[0]
+    blocks = []
+    for b0 in range(0, n, BLOCK_CHANGES):
+        b1 = min(n, b0 + BLOCK_CHANGES)
+        if mode == MODE_SPARSE:
+            seg = idx[b0:b1]
+            blocks.append(_encode_block(int(seg[0]), np.diff(seg) - 1, zz[b0:b1]))
+        else:
+            blocks.append(_encode_block(start + b0, None, zz[b0:b1]))
+    offsets = np.zeros(len(blocks) + 1, dtype="<u8")
+    offsets[1:] = np.cumsum([len(b) for b in blocks])
+    return b"".join([_STREAM.pack(mode, bits, 0, len(blocks), n, start, stop), offsets.tobytes(), *blocks])
+
+
+def encode(idx: np.ndarray, diff: np.ndarray, bits: int, start: int, stop: int, mode: str = "auto") -> bytes:
+    """Encode changes of one tensor range ``[start, stop)``.
+
+    ``idx``: ascending unique int64 flat indices inside the range; ``diff``: the signed wire-bit
+    difference ``new - old`` of each (``rltune.sync.ops.wire_diff``). ``mode``: "sparse", "dense" or
+    "auto" (the smaller of the two when the changed fraction makes dense plausible).
+    """
+    if bits not in (8, 16, 32):
+        raise ValueError(f"bits must be 8, 16 or 32, got {bits}")
+    idx = np.ascontiguousarray(idx, dtype=np.int64)
+    diff = np.ascontiguousarray(diff, dtype=np.int64)
+    if idx.shape != diff.shape or idx.ndim != 1 or idx.shape[0] == 0:
+        raise ValueError("encode needs equal-length, non-empty 1-D idx and diff")
+    if idx[0] < start or idx[-1] >= stop or (idx.shape[0] > 1 and np.any(np.diff(idx) <= 0)):
+        raise ValueError("indices must be unique, ascending and inside [start, stop)")
+    lim = 1 << (bits - 1)
+    if np.any(diff == 0) or diff.min() < -lim or diff.max() >= lim:
+        raise ValueError(f"differences must be non-zero and inside [-2^{bits - 1}, 2^{bits - 1})")
+    zz = zigzag(diff)
+    sparse = _encode_stream(MODE_SPARSE, bits, start, stop, idx, zz) if mode != "dense" else None
+    if mode == "sparse" or (mode == "auto" and idx.shape[0] * 16 < stop - start):
+        return sparse
+    dense_zz = np.zeros(stop - start, dtype=np.int64)
+    dense_zz[idx - start] = zz
+    dense = _encode_stream(MODE_DENSE, bits, start, stop, idx, dense_zz)
+    return dense if sparse is None or len(dense) < len(sparse) else sparse
+
+
+def decode(data: bytes | memoryview, start: int, stop: int, bits: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Decode a stream into (ascending int64 indices, int64 signed differences).
+
+    Every count and offset is checked against the stream's length and the expected element range
+    ``[start, stop)`` before a buffer is allocated; any violation raises :class:`CodecError`.
+    """
+    data = memoryview(data).cast("B")
+    if len(data) < _STREAM.size:
+        raise CodecError(f"stream of {len(data)} bytes is shorter than its {_STREAM.size}-byte header")
+    mode, wbits, reserved, n_blocks, n_changes, s_start, s_stop = _STREAM.unpack_from(data, 0)
+    if mode not in (MODE_SPARSE, MODE_DENSE) or wbits not in (8, 16, 32) or reserved != 0:
+        raise CodecError(f"stream header: mode {mode}, bits {wbits}, reserved {reserved} invalid")
+    if bits is not None and wbits != bits:
+        raise CodecError(f"stream codes {wbits}-bit values, the tensor has {bits}-bit elements")
+    if (s_start, s_stop) != (start, stop):
+        raise CodecError(f"stream covers [{s_start}, {s_stop}), its entry says [{start}, {stop})")
+    if n_changes == 0 or n_changes > stop - start or (mode == MODE_DENSE and n_changes != stop - start):
+        raise CodecError(f"stream holds {n_changes} values for range [{start}, {stop}) (mode {mode})")
+    if n_blocks != -(-n_changes // BLOCK_CHANGES):
+        raise CodecError(f"{n_blocks} blocks cannot hold {n_changes} values")
+    table_end = _STREAM.size + 8 * (n_blocks + 1)
+    if table_end > len(data):
+        raise CodecError("block table runs past the end of the stream")
+    offsets = np.frombuffer(data[_STREAM.size:table_end], dtype="<u8").astype(np.int64)
+    if offsets[0] != 0 or np.any(np.diff(offsets) <= 0) or table_end + offsets[-1] != len(data):
+        raise CodecError("block offsets are not increasing or do not end at the stream's end")
+    idx = np.empty(n_changes, dtype=np.int64)
+    zz = np.empty(n_changes, dtype=np.int64)
+    filled = 0
+    for b in range(n_blocks):
+        block = data[table_end + offsets[b]:table_end + offsets[b + 1]]
+        count = _decode_block(block, mode, start, stop, idx[filled:], zz[filled:], n_changes - filled)
+        filled += count
+    if filled != n_changes:
+        raise CodecError(f"blocks hold {filled} values, header says {n_changes}")
+    if mode == MODE_SPARSE:
+        if n_blocks > 1 and np.any(np.diff(idx) <= 0):
+            raise CodecError("indices of consecutive blocks are not ascending")
+        return idx, unzigzag(zz)
+    expect = np.arange(start, stop, dtype=np.int64)
+    if not np.array_equal(idx, expect):
+        raise CodecError("dense blocks do not tile the range in order")
+    nz = np.nonzero(zz)[0]
+    return idx[nz], unzigzag(zz[nz])
+
+
+def _decode_block(block: memoryview, mode: int, start: int, stop: int, idx_out: np.ndarray,
+                  zz_out: np.ndarray, remaining: int) -> int:
+    if len(block) < _BLOCK_FIXED.size:
+        raise CodecError("block shorter than its fixed header")
+    count, first, rice_k, n_lanes, scale_bits, n_symbols = _BLOCK_FIXED.unpack_from(block, 0)
+    if not 1 <= count <= min(BLOCK_CHANGES, remaining):
+        raise CodecError(f"block count {count} outside 1..{min(BLOCK_CHANGES, remaining)}")
+    if not (start <= first < stop) or (mode == MODE_DENSE and first + count > stop):
+        raise CodecError(f"block first index {first} outside [{start}, {stop})")
+    if not 1 <= n_lanes <= min(MAX_LANES, count) or not 10 <= scale_bits <= 15:
+        raise CodecError(f"block lanes {n_lanes} / scale_bits {scale_bits} invalid")
+    if not 1 <= n_symbols <= N_SYMBOLS_MAX or rice_k >= RICE_RAW_BITS or (mode == MODE_DENSE and rice_k):
+        raise CodecError(f"block n_symbols {n_symbols} / rice_k {rice_k} invalid")
+    freq, pos = _read_varints(block, _BLOCK_FIXED.size, n_symbols)
+    if freq.sum() != 1 << scale_bits:
+        raise CodecError(f"frequencies sum to {int(freq.sum())}, not 2^{scale_bits}")
+    sections = []
+    for _ in range(2):
+        if pos + 4 > len(block):
+            raise CodecError("block ends inside a section length")
+        (size,) = struct.unpack_from("<I", block, pos)
+        pos += 4
+        if pos + size > len(block):
+            raise CodecError("block section runs past the block")
+        sections.append(np.frombuffer(block[pos:pos + size], dtype=np.uint8))
+        pos += size
+    gap_buf, extra_buf = sections
+    if pos + 4 * n_lanes > len(block):
+        raise CodecError("lane table runs past the block")
+    lane_lens = np.frombuffer(block[pos:pos + 4 * n_lanes], dtype="<u4").astype(np.int64)
+    pos += 4 * n_lanes
+    lanes = np.frombuffer(block[pos:], dtype=np.uint8)
+    if int(lane_lens.sum()) != lanes.shape[0]:
+        raise CodecError("lane lengths do not add up to the block's remaining bytes")
+    if mode == MODE_SPARSE:
+        err = _rice_decode(gap_buf, count - 1, rice_k, first, stop, idx_out)
+        if err:
+            raise CodecError(f"Rice gap stream invalid (code {err}): truncated, padded or an index past {stop}")
+    else:
+        if gap_buf.shape[0]:
+            raise CodecError("dense block carries a gap stream")
+        idx_out[:count] = np.arange(first, first + count, dtype=np.int64)
+    cum = np.concatenate(([0], np.cumsum(freq)[:-1])).astype(np.int64)
+    lookup = np.repeat(np.arange(n_symbols, dtype=np.uint8), freq)
+    syms = np.empty(count, dtype=np.uint8)
+    err = _rans_decode(lanes, lane_lens, count, n_lanes, freq, cum, lookup, scale_bits, syms)
+    if err:
+        raise CodecError(f"rANS lanes invalid (code {err}): damaged stream")
+    err = _desymbolize(syms, extra_buf, zz_out[:count])
+    if err:
+        raise CodecError(f"extra-bit stream invalid (code {err})")
+    return count
+
+
+def order0_bound_bytes(numel: int, diff: np.ndarray) -> float:
+    """Order-0 entropy bound of a tensor's changes, in bytes.
+
+    Positions as independent Bernoulli draws at the observed density, plus each change's value
+    drawn from the empirical distribution of the differences: ``numel * H(k/numel) + k * H(values)``
+    bits. A codec that treats positions and values as independent cannot beat it on average.
+    """
+    k = int(diff.shape[0])
+    if k == 0 or numel == 0:
+        return 0.0
+    p = k / numel
+    h_pos = 0.0 if p >= 1.0 else -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
+    _, counts = np.unique(diff, return_counts=True)
+    q = counts / k
+    h_val = float(-(q * np.log2(q)).sum())
+    return (numel * h_pos + k * h_val) / 8.0

@@ -1,0 +1,341 @@
+"""Trainer side: take the delta from the optimizer step itself and publish it.
+
+:func:`chunked_step` steps AdamW (``torch.optim.AdamW``/``Adam``) or :class:`SignSGD` at most
+``chunk_elements`` elements at a time and calls a hook around each chunk. :class:`DeltaPublisher`
+uses the hook to read the chunk's old wire bits just before the write and diff them with the new
+bits just after, so it never keeps a copy of the weights. Tensors that no optimizer steps (buffers,
+frozen parameters) are diffed against a small copy taken at the last anchor/full checkpoint.
+
+``publish(step)`` first checks, from the live weights, that every tensor holds exactly what the
+step wrote (a weight changed outside the step raises), then writes this rank's parts; rank 0
+writes the manifest and the COMPLETE marker last and prunes old chains. A broadcast that follows
+no optimizer step publishes a full checkpoint. Every ``interval`` steps the step also carries an
+anchor (per-rank slices, no gather).
+
+Example::
+
+    model = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    pub = DeltaPublisher(model, opt, root="/shared/broadcast", interval=50)
+    pub.publish(0)                       # step 0: the checkpoint engines boot from (full)
+    for step in range(1, n):
+        loss(model).backward()
+        pub.step()                       # replaces opt.step(); records the delta
+        opt.zero_grad()
+        pub.publish(step)                # delta (anchor every 50 steps)
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rltune.sync import codec, store
+from rltune.sync import format as fmt
+from rltune.sync.kernels.reference import MASK64, checksum_ref, checksum_update_ref, diff_ref
+from rltune.sync.ops import wire_bits, wire_diff, wire_width
+
+DEFAULT_CHUNK_ELEMENTS = 1 << 26
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+for _n in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _n):
+        _DTYPE_NAMES[getattr(torch, _n)] = _n
+
+ChunkHook = Callable[[torch.Tensor, int, int], None]
+
+
+class SignSGD(torch.optim.Optimizer):
+    """p <- p * (1 - lr * weight_decay) - lr * sign(grad). Elementwise, so it steps in chunks exactly."""
+
+    def __init__(self, params, lr: float = 1e-5, weight_decay: float = 0.0):
+        if lr <= 0:
+            raise ValueError(f"lr must be positive, got {lr}")
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.step_chunk(p, p.grad, group, 0, p.numel())
+        return loss
+
+    @staticmethod
+    def step_chunk(p: torch.Tensor, grad: torch.Tensor, group: dict, start: int, stop: int) -> None:
+        pc = p.view(-1)[start:stop]
+        if group["weight_decay"]:
+            pc.mul_(1 - group["lr"] * group["weight_decay"])
+        pc.add_(torch.sign(grad.reshape(-1)[start:stop]), alpha=-group["lr"])
+
+
+@torch.no_grad()
+def chunked_step(optimizer: torch.optim.Optimizer, chunk_elements: int,
+                 before: ChunkHook | None = None, after: ChunkHook | None = None) -> None:
+    """One optimizer step, at most ``chunk_elements`` elements per update, hooks around each chunk.
+
+    Bit-identical to ``optimizer.step()`` (the updates are elementwise; the per-parameter step
+    count advances once). Supports Adam/AdamW without fused/capturable kernels, and SignSGD.
+    """
+    if chunk_elements <= 0:
+        raise ValueError(f"chunk_elements must be positive, got {chunk_elements}")
+
+    def chunks(p: torch.Tensor):
+        if not p.is_contiguous():
+            raise fmt.SyncFormatError("chunked_step needs contiguous parameters; call .contiguous() on the model")
+        n = p.numel()
+        for a in range(0, n, chunk_elements):
+            yield a, min(n, a + chunk_elements)
+
+    if isinstance(optimizer, SignSGD):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                for a, b in chunks(p):
+                    if before:
+                        before(p, a, b)
+                    SignSGD.step_chunk(p, p.grad, group, a, b)
+                    if after:
+                        after(p, a, b)
+        return
+    if not isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
+        raise fmt.SyncFormatError(f"chunked_step supports Adam/AdamW and SignSGD, not {type(optimizer).__name__}; "
+                                  "wrap the optimizer's own chunking (Muon steps its matrix batches)")
+    from torch.optim.adam import adam
+
+    for group in optimizer.param_groups:
+        if group["fused"] or group["capturable"] or group["differentiable"]:
+            raise fmt.SyncFormatError("chunked AdamW needs fused=False, capturable=False, differentiable=False")
+        params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], [], [], []
+        has_complex = optimizer._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps)
+        beta1, beta2 = group["betas"]
+        for i, p in enumerate(params):
+            step_before = steps[i].clone()
+            step_after = step_before
+            for a, b in chunks(p):
+                step_after = step_before.clone()  # each chunk sees the same step count
+                if before:
+                    before(p, a, b)
+                adam([p.view(-1)[a:b]], [grads[i].reshape(-1)[a:b]], [exp_avgs[i].view(-1)[a:b]],
+                     [exp_avg_sqs[i].view(-1)[a:b]], [max_sqs[i].view(-1)[a:b]] if group["amsgrad"] else [],
+                     [step_after], amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2,
+                     lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                     maximize=group["maximize"], foreach=False, capturable=False, differentiable=False,
+                     fused=False, grad_scale=None, found_inf=None,
+                     decoupled_weight_decay=group["decoupled_weight_decay"])
+                if after:
+                    after(p, a, b)
+            steps[i].copy_(step_after)
+
+
+class DeltaPublisher:
+    """Publishes a model's weights to a broadcast root: deltas from the optimizer step, anchors, full checkpoints.
+
+    ``rank``/``world``: this trainer rank publishes rows ``[rank*R/world, (rank+1)*R/world)`` of each
+    tensor (dim 0), as flat element ranges; every rank holds the full tensors (data parallel) and no
+    rank gathers another's weights. ``wire_dtype`` casts the weights as sent (fp32 master weights
+    published as bf16); by default each tensor goes in its own dtype.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, root: str | Path, interval: int,
+                 rank: int = 0, world: int = 1, *, run_id: str | None = None,
+                 chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, wire_dtype: torch.dtype | None = None,
+                 finalize_timeout_s: float = 600.0):
+        if interval < 1:
+            raise ValueError(f"interval must be >= 1, got {interval}")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} outside world {world}")
+        self.model, self.optimizer, self.root = model, optimizer, Path(root)
+        self.interval, self.rank, self.world = interval, rank, world
+        self.run_id = run_id or uuid.uuid4().hex
+        self.chunk_elements, self.wire_dtype, self.finalize_timeout_s = chunk_elements, wire_dtype, finalize_timeout_s
+        self.root.mkdir(parents=True, exist_ok=True)
+
+        state = model.state_dict(keep_vars=True)
+        self.names: list[str] = list(state)
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.tied_to: dict[str, str | None] = {}
+        first_by_storage: dict[int, str] = {}
+        for name, t in state.items():
+            key = id(t)
+            self.tied_to[name] = first_by_storage.get(key)
+            first_by_storage.setdefault(key, name)
+            self.tensors[name] = t
+        self.first_names = [n for n in self.names if self.tied_to[n] is None]
+        stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        self._name_of_param = {id(self.tensors[n]): n for n in self.first_names}
+        self.static_names = [n for n in self.first_names if id(self.tensors[n]) not in stepped]
+        self.ranges = {n: self._rank_range(self.tensors[n]) for n in self.names}
+        for n in self.names:
+            wire = self._wire_dtype(n)
+            if wire not in _DTYPE_NAMES:
+                raise fmt.SyncFormatError(f"tensor {n}: dtype {wire} has no wire format; set wire_dtype=torch.bfloat16")
+
+        self._checksums: dict[str, int] = {}  # this rank's checksum share per first name, as published
+        self._static_copy: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._chunk_old: torch.Tensor | None = None
+        self._stepped = False
+        self._last_step: int | None = None
+        self._anchor_complete_at_last_publish: int | None = None
+
+    # -------------------------------------------------------------------------------- helpers
+
+    def _wire_dtype(self, name: str) -> torch.dtype:
+        t = self.tensors[name]
+        return self.wire_dtype if (self.wire_dtype is not None and t.is_floating_point()) else t.dtype
+
+    def _rank_range(self, t: torch.Tensor) -> tuple[int, int]:
+        if self.world == 1 or t.dim() == 0:
+            return (0, t.numel()) if self.rank == 0 else (0, 0)
+        rows, per_row = t.shape[0], t.numel() // max(1, t.shape[0])
+        r0, r1 = rows * self.rank // self.world, rows * (self.rank + 1) // self.world
+        return r0 * per_row, r1 * per_row
+
+    def _bits(self, name: str) -> torch.Tensor:
+        a, b = self.ranges[name]
+        return wire_bits(self.tensors[name], self._wire_dtype(name))[a:b]
+
+    def _share(self, name: str) -> int:
+        return checksum_ref(self._bits(name), offset=self.ranges[name][0])
+
+    # -------------------------------------------------------------------------------- the step
+
+    def _before_chunk(self, p: torch.Tensor, a: int, b: int) -> None:
+        name = self._name_of_param.get(id(p))
+        lo, hi = self.ranges[name]
+        a, b = max(a, lo), min(b, hi)
+        self._chunk_old = wire_bits(p.view(-1)[a:b], self._wire_dtype(name)).clone() if a < b else None
+
+    def _after_chunk(self, p: torch.Tensor, a: int, b: int) -> None:
+        name = self._name_of_param.get(id(p))
+        lo, hi = self.ranges[name]
+        a, b = max(a, lo), min(b, hi)
+        if a >= b:
+            return
+        new = wire_bits(p.view(-1)[a:b], self._wire_dtype(name))
+        idx, new_changed = diff_ref(self._chunk_old, new)
+        if idx.numel():
+            old_changed = self._chunk_old[idx]
+            self._checksums[name] = (self._checksums[name] + checksum_update_ref(idx + a, old_changed, new_changed)) & MASK64
+            self._pending.setdefault(name, []).append((idx + a, wire_diff(old_changed, new_changed, wire_width(new))))
+        self._chunk_old = None
+
+    def step(self) -> None:
+        """Run one optimizer step in chunks, recording this rank's changes. Replaces ``optimizer.step()``."""
+        if self._last_step is None:
+            raise fmt.ChainError("publish the boot checkpoint (publish(0)) before the first optimizer step, so the "
+                                 "engines have a base for the first delta")
+        chunked_step(self.optimizer, self.chunk_elements, self._before_chunk, self._after_chunk)
+        self._stepped = True
+
+    # -------------------------------------------------------------------------------- publishing
+
+    def _verify_live(self) -> None:
+        for name in self.first_names:
+            if name in self.static_names:
+                continue
+            live = self._share(name)
+            if live != self._checksums[name]:
+                raise fmt.WeightChangedOutsideStepError(
+                    f"tensor {name}: live checksum {live} != {self._checksums[name]} from the last publish plus the "
+                    "step's changes; a weight changed outside the optimizer step (in-place edit, load_state_dict). "
+                    "Call publish() right after such a change only via a full checkpoint: publisher.force_full()")
+
+    def force_full(self) -> None:
+        """Make the next publish a full checkpoint (after weights were changed outside the optimizer)."""
+        self._stepped = False
+        self._pending.clear()
+
+    def publish(self, step: int) -> dict[str, Any] | None:
+        """Publish broadcast ``step``; return the manifest on rank 0, None on other ranks."""
+        if self._last_step is not None and step <= self._last_step:
+            raise fmt.ChainError(f"publish({step}) after publish({self._last_step}): steps must increase")
+        step_dir = self.root / fmt.step_dir_name(step)
+        if self._stepped and self._last_step is not None:
+            kind = "anchor" if step % self.interval == 0 else "delta"
+            self._verify_live()
+        else:
+            kind = "full"
+        base_step = None if kind == "full" else self._last_step
+        header = dict(run_id=self.run_id, step=step, rank=self.rank, world=self.world)
+        files: dict[str, bytes] = {}
+        if kind != "full":
+            files[fmt.part_file_name(self.rank, "delta")] = self._delta_part(dict(header, kind="delta", base_step=base_step))
+        if kind != "delta":
+            for name in self.first_names:
+                self._checksums[name] = self._share(name)
+            for name in self.static_names:
+                self._static_copy[name] = self._bits(name).clone()
+            files[fmt.part_file_name(self.rank, "anchor")] = self._anchor_part(dict(header, kind="anchor", base_step=None))
+        shares = {n: str(self._checksums[self.tied_to[n] or n]) for n in self.names}
+        summary = dict(rank=self.rank, checksums=shares,
+                       files=[dict(rank=self.rank, file=f, bytes=len(d)) for f, d in files.items()])
+        store.write_rank_files(step_dir, self.rank, files, summary)
+        self._pending.clear()
+        self._stepped = False
+        self._last_step = step
+        if self.rank != 0:
+            return None
+        tensors = {n: dict(dtype=_DTYPE_NAMES[self._wire_dtype(n)], shape=list(self.tensors[n].shape),
+                           checksum="0", tied_to=self.tied_to[n]) for n in self.names}
+        manifest = store.finalize_step(step_dir, dict(run_id=self.run_id, step=step, kind=kind, base_step=base_step,
+                                                      world=self.world, tensors=tensors), self.world,
+                                       self.finalize_timeout_s)
+        self._prune()
+        return manifest
+
+    def _prune(self) -> None:
+        # An old chain goes only once a newer anchor was already complete at the previous broadcast, so an
+        # engine that planned a replay of the old chain one broadcast ago still finds it.
+        if self._anchor_complete_at_last_publish is not None:
+            store.prune_before(self.root, self._anchor_complete_at_last_publish)
+        self._anchor_complete_at_last_publish = store.BroadcastStore(self.root).latest_loadable()
+
+    def _delta_part(self, header: dict[str, Any]) -> bytes:
+        entries, blobs, offset = [], [], 0
+        for name in self.first_names:
+            lo, hi = self.ranges[name]
+            if name in self.static_names:
+                if hi <= lo:
+                    continue
+                cur = self._bits(name)
+                idx, new = diff_ref(self._static_copy[name], cur)
+                if idx.numel() == 0:
+                    continue
+                old = self._static_copy[name][idx]
+                diff = wire_diff(old, new, wire_width(cur))
+                self._checksums[name] = self._share(name)
+                self._static_copy[name] = cur.clone()
+                idx = idx + lo
+            else:
+                pieces = self._pending.get(name)
+                if not pieces:
+                    continue
+                idx = torch.cat([p[0] for p in pieces])
+                diff = torch.cat([p[1] for p in pieces])
+            bits = wire_width(self._bits(name)) if hi > lo else 16
+            blob = codec.encode(idx.numpy().astype(np.int64), diff.numpy(), bits, lo, hi)
+            entries.append(dict(name=name, start=lo, stop=hi, offset=offset, length=len(blob),
+                                crc32=fmt.crc32(blob), changes=int(idx.numel())))
+            blobs.append(blob)
+            offset += len(blob)
+        return fmt.encode_part(dict(header, entries=entries), b"".join(blobs))
+
+    def _anchor_part(self, header: dict[str, Any]) -> bytes:
+        entries, blobs, offset = [], [], 0
+        for name in self.names:
+            lo, hi = self.ranges[name]
+            raw = self._bits(name).numpy().astype(self._bits(name).numpy().dtype.newbyteorder("<")).tobytes()
+            block = fmt.ANCHOR_CRC_BLOCK
+            crcs = [fmt.crc32(raw[j:j + block]) for j in range(0, len(raw), block)]
+            entries.append(dict(name=name, start=lo, stop=hi, offset=offset, length=len(raw), crc_block=block, crc32s=crcs))
+            blobs.append(raw)
+            offset += len(raw)
+        return fmt.encode_part(dict(header, entries=entries), b"".join(blobs))
