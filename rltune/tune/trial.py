@@ -1,7 +1,7 @@
 """Run one candidate for real and decide whether to keep it (the seed's step 4).
 
-A trial runs the job with the candidate's knobs through the job's launcher (profile does the
-launch and builds the stage table), times it on the same steps as its baseline, holds it to the
+A trial runs the job with the candidate's knobs through the job's launcher, builds its stage
+table and diagnosis as profile does, times it on the same steps as its baseline, holds it to the
 limits fixed in job.yaml, writes verdict.yaml into the run directory and appends the run to the case
 library with the forecast made before it. A job that crashes or hangs is a *failed* trial with its
 log tail, not an error: the loop goes on.
@@ -68,45 +68,56 @@ def overrides_against(job: JobSpec, knobs: dict[str, KnobValue]) -> dict[str, Kn
     return {k: v for k, v in knobs.items() if job.knobs.get(k) != v}
 
 
-def _log_tail(run_dir: Path) -> str:
-    from rltune.launch.process import tail
-
-    log = Path(run_dir) / "launch.log"
-    return tail(log, LOG_TAIL_LINES) if log.exists() else ""
-
-
 def measure_run(job: JobSpec, job_path: str | Path, run_dir: str | Path, run_id: str, knobs: dict[str, KnobValue],
                 steps: int | None = None) -> MeasuredRun:
-    """Run the job once with ``knobs`` in ``run_dir`` and read its stage table and diagnosis.
+    """Run the job once with ``knobs`` in ``run_dir``; write its stages.parquet and diagnosis.yaml there.
 
-    Never raises for the job's own failure (crash, time-out, no metrics): that comes back as a run
-    with status 'failed' or 'timed_out' and the log tail.
+    Launch (rltune.launch), stage table and diagnosis (rltune.profile) are composed here, as profile
+    does. Never raises for the job's own failure (crash, time-out, no metrics): that comes back as a
+    run with status 'failed' or 'timed_out' and the log tail.
     """
-    from rltune.profile import profile_job
+    from rltune.contracts.diagnosis import save_diagnosis
+    from rltune.contracts.stages import write_stages
+    from rltune.launch import run_job
+    from rltune.profile.diagnose import diagnose
+    from rltune.profile.table import stage_table_from_logs
 
     run_dir = Path(run_dir)
     started = time.time()
     run = MeasuredRun(run_id=run_id, run_dir=run_dir, knobs=dict(knobs), status="ok", started_at=started)
+    warmup = job.limits.warmup_steps
     try:
-        result = profile_job(job_path, run_dir, steps=steps, overrides=overrides_against(job, knobs))
+        launch = run_job(job, Path(job_path), run_dir, overrides=overrides_against(job, knobs), steps=steps)
     except RltuneError as exc:
-        run.status, run.error = "failed", str(exc)
-        run.log_tail = _log_tail(run_dir)
-        run.finished_at = max(time.time(), started)
+        run.status, run.error, run.finished_at = "failed", str(exc), max(time.time(), started)
         return run
     run.finished_at = max(time.time(), started)
-    launch = getattr(result, "launch", None)
-    if launch is not None and not launch.ok:
+    if not launch.ok:
         run.status = "timed_out" if launch.timed_out else "failed"
         run.error = (f"ran past launch.timeout_s ({job.launch.timeout_s:g} s) and was killed" if launch.timed_out
                      else f"exited with code {launch.returncode}")
         run.log_tail = launch.log_tail(LOG_TAIL_LINES)
-    run.table = result.table
-    run.rows = rows_of(result.table) if result.table is not None else []
-    run.diagnosis = result.diagnosis
+    metrics = Path(job.metrics.path.replace("{run_dir}", str(launch.run_dir)))
+    if not metrics.exists():
+        if run.ok:
+            run.status, run.error = "failed", f"wrote no metrics at {metrics}"
+            run.log_tail = launch.log_tail(LOG_TAIL_LINES)
+        return run
+    try:
+        table, _ = stage_table_from_logs(metrics, job.metrics.format, run_id=run_id, warmup_steps=warmup)
+        run.table, run.rows = table, rows_of(table)
+        write_stages(table, run_dir / "stages.parquet")
+        if run.ok:
+            run.diagnosis = diagnose(table, str(knobs.get("rl_mode", job.rl_mode)), warmup, run_id)
+            save_diagnosis(run.diagnosis, run_dir / "diagnosis.yaml")
+    except RltuneError as exc:
+        if run.ok:
+            run.status, run.error = "failed", f"its metrics cannot be read ({exc})"
+            run.log_tail = launch.log_tail(LOG_TAIL_LINES)
+        return run
     if run.ok and not any(not r.get("warmup") and r.get("step_s") is not None for r in run.rows):
         run.status, run.error = "failed", "finished without a measured step after warm-up"
-        run.log_tail = _log_tail(run_dir)
+        run.log_tail = launch.log_tail(LOG_TAIL_LINES)
     return run
 
 
