@@ -1,26 +1,190 @@
-"""``rltune profile``: time each stage of a job's step and diagnose what limits it."""
+"""``rltune profile``: time each stage of a job's step and diagnose what limits it.
+
+A thin command over :mod:`rltune.profile`: it parses arguments, calls ``profile_job`` or
+``stage_table_from_logs`` + ``diagnose``, writes the run directory, and prints a rich summary on
+stderr (``--json``: a machine-readable summary on stdout).
+"""
 
 from __future__ import annotations
 
-import typer
+from pathlib import Path
+from typing import Optional
 
-from rltune.errors import RltuneError
+import typer
 
 HELP = """Time each stage of a job's step and diagnose what limits it.
 
+Runs JOB.yaml through its launcher for --steps steps (warm-up steps kept but marked) and writes
+stages.parquet, diagnosis.yaml and the resolved job.yaml into the run directory; or, with
+--from-logs, reads an existing log of verl, prime-rl, slime, OpenRLHF, TRL, NeMo-RL, vLLM /metrics
+or the reference workload without running anything.
+
 Example:
 
-  rltune profile job.yaml --steps 10
-  rltune profile --from-logs verl.log --format auto --out runs/verl-7b
+  rltune profile presets/cpu-demo.yaml --steps 6
+  rltune profile job.yaml --set micro_batch_size=8 --out runs/mbs8
+  rltune profile --from-logs verl.log --format auto --rl-mode sync --out runs/verl-7b
 """
+
+FORMAT_CHOICES = ("auto", "rltune", "verl", "prime-rl", "slime", "openrlhf", "trl", "nemo-rl", "vllm")
+SUMMARY_COLUMNS = ("step_s", "rollout_s", "training_s", "old_logprob_s", "weight_sync_s", "wait_s",
+                   "engine_queue_s", "engine_prefill_s", "engine_decode_s", "sandbox_setup_s", "sandbox_exec_s",
+                   "trainer_busy_frac", "padding_frac", "kv_cache_usage", "reward")
+
+
+def _parse_sets(values: list[str]) -> dict:
+    import yaml
+
+    from rltune.errors import RltuneError
+
+    out = {}
+    for item in values:
+        knob, sep, raw = item.partition("=")
+        if not sep or not knob.strip():
+            raise RltuneError(f"--set {item!r}: expected knob=value, e.g. --set micro_batch_size=8")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        if not isinstance(value, (int, float, str, bool)):
+            value = raw
+        out[knob.strip()] = value
+    return out
+
+
+def _print_summary(diagnosis, report, run_dir: Path, warnings: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(stderr=True)
+    if report is not None:
+        console.print(f"[bold]{report.path}[/]: format [cyan]{report.format}[/], {report.steps} steps, "
+                      f"{report.lines_used} lines used, {report.lines_skipped} skipped")
+    for line in warnings:
+        console.print(f"[yellow]warning:[/] {line}")
+    if diagnosis is None:
+        console.print(f"stage table written to {run_dir}")
+        return
+    table = Table(title=f"run {diagnosis.run_id} ({diagnosis.rl_mode}, {len(diagnosis.steps_used)} steps)")
+    for name in ("column", "median", "p10", "p90"):
+        table.add_column(name, justify="left" if name == "column" else "right")
+    for column in SUMMARY_COLUMNS:
+        s = diagnosis.stages.get(column)
+        if s is not None:
+            table.add_row(column, f"{s.median_s:.4g}", f"{s.p10_s:.4g}", f"{s.p90_s:.4g}")
+    console.print(table)
+    console.print(f"step median [bold]{diagnosis.step_median_s:.4g} s[/], RL-mode rule "
+                  f"{diagnosis.step_model_s:.4g} s, limiting stage: [bold red]{diagnosis.limiting_stage}[/]")
+    for note in diagnosis.notes:
+        console.print(f"  note: {note}")
+    if diagnosis.problems:
+        problems = Table(title="problems (worst first)")
+        for name in ("id", "stage", "costs s/step", "summary"):
+            problems.add_column(name)
+        for p in diagnosis.problems:
+            problems.add_row(p.id, p.stage, f"{p.severity:.3g}", p.summary)
+        console.print(problems)
+    else:
+        console.print("no problems found by the detectors")
+    console.print(f"written: {run_dir}")
+
+
+def _summary_json(diagnosis, report, run_dir: Path, warnings: list[str]) -> str:
+    import json
+
+    data = {
+        "run_dir": str(run_dir),
+        "report": report.to_dict() if report is not None else None,
+        "warnings": warnings,
+        "diagnosis": None,
+    }
+    if diagnosis is not None:
+        data["diagnosis"] = {
+            "run_id": diagnosis.run_id,
+            "rl_mode": diagnosis.rl_mode,
+            "steps_used": diagnosis.steps_used,
+            "step_median_s": diagnosis.step_median_s,
+            "step_model_s": diagnosis.step_model_s,
+            "limiting_stage": diagnosis.limiting_stage,
+            "stage_medians_s": diagnosis.stage_medians_s,
+            "problems": [{"id": p.id, "stage": p.stage, "severity": p.severity, "summary": p.summary}
+                         for p in diagnosis.problems],
+        }
+    return json.dumps(data, indent=2)
 
 
 def register(app: typer.Typer) -> None:
-    @app.command(name="profile", help=HELP, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def profile_cmd(ctx: typer.Context) -> None:
-        from rltune.contracts.job import load_job
+    @app.command(name="profile", help=HELP)
+    def profile_cmd(
+        job: Optional[Path] = typer.Argument(None, help="job.yaml to run (omit with --from-logs)"),  # noqa: UP045 (typer)
+        steps: Optional[int] = typer.Option(None, "--steps", min=1, help="steps to run (default: the job's limits.steps)"),  # noqa: UP045
+        out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/<new id>)"),  # noqa: UP045
+        sets: list[str] = typer.Option([], "--set", help="knob=value override of an abstract knob (repeatable)"),
+        from_logs: Optional[Path] = typer.Option(None, "--from-logs", help="read this log file or folder instead of running"),  # noqa: UP045
+        log_format: str = typer.Option("auto", "--format", help="log format: " + ", ".join(FORMAT_CHOICES)),
+        rl_mode: Optional[str] = typer.Option(None, "--rl-mode", help="sync | one_step_async | fully_async (default: from the log, else sync)"),  # noqa: UP045
+        run_id: Optional[str] = typer.Option(None, "--run-id", help="with --from-logs: the run to diagnose when the logs hold several"),  # noqa: UP045
+        warmup: int = typer.Option(1, "--warmup", min=0, help="with --from-logs: first steps left out of medians"),
+        as_json: bool = typer.Option(False, "--json", help="print a machine-readable summary on stdout"),
+    ) -> None:
+        from rltune.errors import RltuneError
 
-        for arg in ctx.args:
-            if arg.endswith((".yaml", ".yml")):
-                load_job(arg)
-        raise RltuneError("'rltune profile' is not built yet")
+        if (job is None) == (from_logs is None):
+            raise RltuneError("give either JOB.yaml or --from-logs PATH (not both); see 'rltune profile --help'")
+        if log_format not in FORMAT_CHOICES:
+            raise RltuneError(f"--format {log_format!r}: expected one of {', '.join(FORMAT_CHOICES)}")
+        if job is not None:
+            diagnosis, report, run_dir, warnings = _run_job(job, steps, out, _parse_sets(sets), as_json)
+        else:
+            diagnosis, report, run_dir, warnings = _from_logs(from_logs, log_format, rl_mode, run_id, warmup, out)
+        if as_json:
+            print(_summary_json(diagnosis, report, run_dir, warnings))
+        _print_summary(diagnosis, report, run_dir, warnings)
+
+
+def _run_job(job_path: Path, steps, out, overrides: dict, quiet: bool):
+    import sys
+
+    from rltune.contracts.job import load_job
+    from rltune.launch import new_run_dir
+    from rltune.profile import profile_job
+
+    job = load_job(job_path)
+    run_dir = out if out is not None else new_run_dir(job.name)
+
+    def echo(line: str) -> None:
+        print(f"  | {line}", file=sys.stderr)
+
+    result = profile_job(job_path, run_dir, steps=steps, overrides=overrides or None, on_output=echo)
+    return result.diagnosis, None, result.run_dir, []
+
+
+def _from_logs(path: Path, log_format: str, rl_mode, run_id, warmup: int, out):
+    import json
+
+    from rltune.contracts.diagnosis import save_diagnosis
+    from rltune.contracts.stages import write_stages
+    from rltune.launch import new_run_dir
+    from rltune.profile import NotDiagnosableError, diagnose, infer_rl_mode, stage_table_from_logs
+
+    table, report = stage_table_from_logs(path, format=log_format, warmup_steps=0)
+    run_dir = out if out is not None else new_run_dir(path.stem)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_stages(table, run_dir / "stages.parquet")
+    (run_dir / "parse_report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+    warnings = list(report.warnings)
+    if rl_mode is None:
+        inferred = infer_rl_mode(table)
+        rl_mode = inferred[0] if inferred else "sync"
+        warnings.append(f"RL mode {rl_mode}: {inferred[1]}" if inferred else "RL mode sync assumed; pass --rl-mode")
+    runs = sorted(set(table.column("run_id").to_pylist()))
+    if run_id is None and len(runs) > 1:
+        warnings.append(f"{len(runs)} runs in these logs: no diagnosis written; pick one with --run-id")
+        return None, report, run_dir, warnings
+    try:
+        diagnosis = diagnose(table, rl_mode, warmup_steps=warmup, run_id=run_id)
+    except NotDiagnosableError as exc:
+        warnings.append(f"no diagnosis: {exc}")
+        return None, report, run_dir, warnings
+    save_diagnosis(diagnosis, run_dir / "diagnosis.yaml")
+    return diagnosis, report, run_dir, warnings

@@ -41,6 +41,8 @@ class Diagnosis:
     limiting_stage: str = field(doc="'rollout', 'training', 'weight_sync', or 'training+weight_sync'")
     stages: dict[str, StageSummary] = field(doc="per-column summary of every measured column")
     problems: list[Problem] = field(default_factory=list, doc="problems found, worst first")
+    stage_medians_s: dict[str, float | None] = field(default_factory=dict, doc="rollout, training (incl. old-logprob pass), weight_sync medians the RL-mode rule used (null: not measured, counted as 0)")
+    notes: list[str] = field(default_factory=list, doc="what a reader should know: stages not measured, derived columns, warm-up handling")
     job: str | None = field(None, doc="resolved job.yaml of the run, if rltune launched it")
 
 

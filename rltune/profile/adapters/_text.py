@@ -1,0 +1,107 @@
+"""Shared helpers of the log adapters: cleaning console lines, reading numbers and dict literals.
+
+Every adapter parses into :class:`ParsedLog`: ``records`` maps a step number to the source's own
+metric names and values (nothing renamed yet; the stage map does that), and the report counts
+used and skipped lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import re
+from dataclasses import dataclass, field
+
+from rltune.profile.report import ParseReport
+
+# Terminal colour codes (Ray colours actor prefixes, verl colours nothing, rich colours everything).
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+# Ray's per-actor prefix: "(TaskRunner pid=678203)" or "(WorkerDict pid=1, ip=10.0.0.1)", possibly repeated.
+_RAY_PREFIX = re.compile(r"^\s*\((?:[A-Za-z_][\w.:\-]*\s+)?pid=\d+(?:,\s*ip=[\d.:a-fA-F]+)?\)\s?")
+_NAN_TOKENS = re.compile(r"(?<![\w'\"])(nan|NaN|inf|-inf|Infinity|-Infinity)(?![\w'\"])")
+
+
+def clean_line(line: str) -> str:
+    """A console line without colour codes, Ray actor prefixes or a trailing newline."""
+    line = _ANSI.sub("", line.rstrip("\r\n"))
+    while True:
+        stripped = _RAY_PREFIX.sub("", line, count=1)
+        if stripped == line:
+            return line
+        line = stripped
+
+
+def to_number(text: str) -> float | None:
+    """A finite or infinite float from text such as '252.485', '1e-6', '19.8%' or 'nan'; None if not a number."""
+    text = text.strip().rstrip("%").strip()
+    if text.endswith("s") and not text.endswith(("ns", "ms", "us")):
+        text = text[:-1]
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def number_or_none(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return None if math.isnan(value) else value
+
+
+def literal_dict(text: str) -> dict | None:
+    """Parse a Python dict literal as frameworks print it ({'a': 1.0, 'b': nan}); None if it is not one."""
+    text = text.strip()
+    if not (text.startswith("{") and text.endswith("}")):
+        return None
+    safe = _NAN_TOKENS.sub(lambda m: "None" if "nan" in m.group(1).lower() else
+                           ("-1e999" if m.group(1).startswith("-") else "1e999"), text)
+    try:
+        value = ast.literal_eval(safe)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def json_object(text: str) -> dict | None:
+    text = text.strip()
+    if not text.startswith("{"):
+        return None
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def flatten(mapping: dict, prefix: str = "") -> dict[str, float]:
+    """Nested dict -> {'a/b': number} for every numeric leaf (names joined with '/', as the loggers do)."""
+    out: dict[str, float] = {}
+    for key, value in mapping.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "/"))
+        else:
+            number = number_or_none(value)
+            if number is not None:
+                out[name] = number
+    return out
+
+
+@dataclass
+class ParsedLog:
+    """What an adapter read: step -> {source metric name: value}, and its report."""
+
+    report: ParseReport
+    records: dict[int, dict[str, float]] = field(default_factory=dict)
+    run_ids: dict[int, str] = field(default_factory=dict)
+
+    def add(self, step: int, metrics: dict[str, float]) -> None:
+        """Merge ``metrics`` into ``step``'s record; a key seen twice with another value keeps the first."""
+        record = self.records.setdefault(step, {})
+        for key, value in metrics.items():
+            if key in record and record[key] != value:
+                self.report.note(f"some steps repeat a metric with another value (e.g. step {step} '{key}'); kept the first")
+                continue
+            record[key] = value
