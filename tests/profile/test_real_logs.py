@@ -1,0 +1,146 @@
+"""Every public log sample parses into a stage table whose step times are the log's own values.
+
+Samples are copies of shared/data/real-logs (long ones cut to their first steps). Expected values
+are read from the raw text here with independent regexes, so a parser bug cannot hide in both.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from rltune.profile import NotDiagnosableError, diagnose, infer_rl_mode, stage_table_from_logs
+
+DATA = Path(__file__).parent / "data"
+
+
+def column(table, name):
+    return table.column(name).to_pylist()
+
+
+def test_verl_current_generation_step_times_and_stages_are_the_logs_own():
+    path = DATA / "verl_timing_s_qwen2-7b_grpo_fsdp_steps12.log"
+    text = path.read_text()
+    expected_steps = [float(v) for v in re.findall(r"timing_s/step:([\d.]+)", text)]
+    table, report = stage_table_from_logs(path)
+    assert report.format == "verl"
+    assert column(table, "step") == list(range(1, 12))
+    assert column(table, "step_s") == expected_steps
+    assert column(table, "step_s")[0] == 252.485
+    # step 1: rollout = gen - reshard + reward, weight sync = reshard (inside gen in verl's hybrid engine)
+    row = table.slice(0, 1).to_pylist()[0]
+    assert row["rollout_s"] == pytest.approx(74.891 - 4.391 + 1.479)
+    assert row["weight_sync_s"] == 4.391
+    assert row["old_logprob_s"] == 35.029
+    assert row["training_s"] == pytest.approx(140.568 + 0.215)
+    assert row["perf/mfu/actor"] == 0.277 and row["timing_s/generate_sequences"] == 59.778
+    assert report.skipped == {"step with no timing keys (validation-only line)": 1}
+
+
+def test_verl_oldest_generation_has_no_step_timer_so_step_is_the_sum_of_its_phases():
+    path = DATA / "verl_v0.1_timing_prefix_qwen2.5-0.5b_ppo_steps10.log"
+    lines = path.read_text().splitlines()
+    expected = [sum(float(v) for v in re.findall(r" - timing/\w+:([\d.]+)", line)) for line in lines]
+    table, report = stage_table_from_logs(path)
+    assert report.format == "verl"
+    assert column(table, "step") == list(range(10))
+    assert column(table, "step_s") == pytest.approx(expected)
+    assert report.derived["step_s"] == "sum(timing/)"
+    assert any("derived" in n for n in report.notes)
+    assert column(table, "rollout_s")[0] == 18.859 and column(table, "old_logprob_s")[0] == 5.501
+    assert column(table, "weight_sync_s") == [None] * 10
+
+
+def test_verl_log_without_metric_lines_takes_step_times_from_the_progress_bar():
+    path = DATA / "verl_qwen2-7b_grpo_fsdp_head20k.log"
+    elapsed = {}
+    for n, t in re.findall(r"Training Progress:.*?\| (\d+)/210 \[([\d:]+)<", path.read_text()):
+        parts = [int(p) for p in t.split(":")]
+        elapsed.setdefault(int(n), sum(p * 60 ** i for i, p in enumerate(reversed(parts))))
+    expected = [elapsed[n] - elapsed[n - 1] for n in sorted(elapsed) if n - 1 in elapsed]
+    table, report = stage_table_from_logs(path)
+    assert report.format == "verl"
+    assert column(table, "step_s") == expected
+    assert column(table, "step_s")[:3] == [254.0, 238.0, 236.0]  # 04:14, 08:12, 12:08
+    assert table.num_rows == 39
+    assert any("Training Progress" in n for n in report.notes)
+    diagnosis = diagnose(table, "sync", warmup_steps=1)
+    assert diagnosis.limiting_stage == "unknown" and diagnosis.problems == []
+
+
+def test_prime_rl_orchestrator_console_times_and_inferred_mode():
+    path = DATA / "prime-rl_orchestrator_console_pr1318.log"
+    table, report = stage_table_from_logs(path)
+    assert report.format == "prime-rl"
+    assert column(table, "step") == [28, 29, 30, 31]
+    assert column(table, "step_s") == [73.77, 72.73, 79.39, 79.28]
+    assert column(table, "rollout_s") == [73.0, 72.0, 79.0, 78.0]  # the 'Generating rollouts' bar, 01:13 ...
+    assert column(table, "reward") == [0.3887, 0.4018, 0.3743, 0.4052]
+    assert column(table, "Throughput")[0] == 2408.9
+    assert infer_rl_mode(table) == ("one_step_async", "the log's 'Async Level' is 1")
+    diagnosis = diagnose(table, "one_step_async", warmup_steps=1)
+    assert diagnosis.limiting_stage == "rollout"
+    assert diagnosis.step_median_s == pytest.approx(79.28)
+
+
+def test_trl_console_dict_has_rewards_but_no_times_and_says_so():
+    path = DATA / "trl_grpo_console_memgen_pr33.log"
+    table, report = stage_table_from_logs(path)
+    assert report.format == "trl"
+    assert table.num_rows == 1
+    assert column(table, "reward") == [0.375] and column(table, "step_s") == [None]
+    assert column(table, "completions/mean_length") == [163.0]
+    assert any("no step or stage times" in n for n in report.notes)
+    with pytest.raises(NotDiagnosableError, match="no step or stage time"):
+        diagnose(table, "sync")
+
+
+def test_vllm_metrics_snapshot_reads_gauges_counters_and_histogram_quantiles():
+    path = DATA / "vllm_metrics_endpoint_excerpt_design_doc.prom"
+    table, report = stage_table_from_logs(path)
+    assert report.format == "vllm"
+    row = table.to_pylist()[0]
+    assert row["vllm:num_requests_running"] == 8.0
+    assert row["gen_tokens"] == 27453.0
+    assert row["vllm:request_success_total"] == 131.0  # two finished-reason series summed
+    assert row["vllm:time_to_first_token_seconds/count"] == 140.0
+    # median rank 70 lies in the (0.02, 0.04] bucket holding ranks 13..97
+    assert row["vllm:time_to_first_token_seconds/p50"] == pytest.approx(0.02 + 0.02 * (70 - 13) / (97 - 13))
+    assert row["vllm:time_to_first_token_seconds/p90"] == pytest.approx(0.06 + 0.02 * (126 - 123) / (138 - 123))
+    assert row["step_s"] is None
+
+
+def test_prime_rl_bench_results_give_one_row_per_successful_benchmark():
+    folder = DATA / "prime-rl-bench"
+    expected = {}
+    for path in sorted(folder.glob("*.json")):
+        doc = json.loads(path.read_text())
+        if doc["config"]["success"]:
+            expected[path.stem] = doc["metrics"]["step_time"]["mean"]
+    table, report = stage_table_from_logs(folder)
+    assert report.format == "prime-rl"
+    assert dict(zip(column(table, "run_id"), column(table, "step_s"), strict=True)) == expected
+    assert column(table, "training_s") == column(table, "step_s")
+    assert len(expected) == 3
+    assert sum(n for r, n in report.skipped.items() if r.startswith("failed benchmark")) == 1
+    assert any("OutOfMemoryError" in r for r in report.skipped)
+    assert any("BENCHMARKS.md" in n for n in report.notes)
+
+
+@pytest.mark.parametrize(("name", "fmt"), [
+    ("verl_timing_s_qwen2-7b_grpo_fsdp_steps12.log", "verl"),
+    ("verl_v0.1_timing_prefix_qwen2.5-0.5b_ppo_steps10.log", "verl"),
+    ("verl_qwen2-7b_grpo_fsdp_head20k.log", "verl"),
+    ("prime-rl_orchestrator_console_pr1318.log", "prime-rl"),
+    ("trl_grpo_console_memgen_pr33.log", "trl"),
+    ("vllm_metrics_endpoint_excerpt_design_doc.prom", "vllm"),
+    ("prime-rl-bench", "prime-rl"),
+])
+def test_auto_picks_the_right_parser_and_matches_the_explicit_format(name, fmt):
+    auto, report = stage_table_from_logs(DATA / name)
+    assert report.format == fmt
+    explicit, _ = stage_table_from_logs(DATA / name, format=fmt)
+    assert explicit.equals(auto)
