@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
-from rltune.errors import RltuneError
-
 HELP = """Forecast each candidate's stage and step times from the case library and the theory model.
+
+Each candidate is forecast from an anchor (a measured run of the same job with a similar setup),
+else from similar runs scaled by the theory model, else from theory alone. Candidates are ranked
+fastest first; those forecast at least limits.min_forecast_gain_pct (5 %) faster than the
+baseline are marked worth a trial. The ranked table goes to stderr, forecast.yaml to --out.
 
 Example:
 
@@ -14,7 +19,63 @@ Example:
 """
 
 
+def _resolve_job(candidates_path: Path, named: str) -> Path:
+    direct = Path(named)
+    if direct.is_absolute() or direct.exists():
+        return direct
+    beside = candidates_path.parent / named
+    return beside if beside.exists() else direct
+
+
 def register(app: typer.Typer) -> None:
-    @app.command(name="predict", help=HELP, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def predict_cmd(ctx: typer.Context) -> None:
-        raise RltuneError("'rltune predict' is not built yet")
+    @app.command(name="predict", help=HELP)
+    def predict_cmd(
+        candidates: Path = typer.Argument(..., help="candidates.yaml from 'rltune propose'"),
+        library: Path = typer.Option(Path("cases"), "--library", help="case library directory"),
+        job: Path = typer.Option(None, "--job", help="job.yaml (default: the one the candidates file names)"),
+        out: Path = typer.Option(None, "--out", help="write forecast.yaml here"),
+        json_out: bool = typer.Option(False, "--json", help="print a machine-readable summary on stdout"),
+    ) -> None:
+        import json
+        import sys
+        import warnings
+
+        from rltune.contracts.candidates import load_candidates
+        from rltune.contracts.forecast import save_forecast
+        from rltune.contracts.job import load_job
+        from rltune.predict.forecast import forecast_candidates
+        from rltune.predict.library import CaseLibrary, CorruptCaseWarning
+
+        cands = load_candidates(candidates)
+        job_path = job or _resolve_job(candidates, cands.job)
+        job_spec = load_job(job_path)
+        lib = CaseLibrary(library)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CorruptCaseWarning)
+            result = forecast_candidates(job_spec, cands, lib, job_path=str(job_path), candidates_file=str(candidates),
+                                         library_path=str(library))
+        for w in caught:
+            print(f"rltune: warning: {w.message}", file=sys.stderr)
+        if out is not None:
+            save_forecast(result, out)
+        _print_table(result, job_spec.limits.min_forecast_gain_pct)
+        if json_out:
+            print(json.dumps({
+                "baseline_step_s": result.baseline_step_s, "out": str(out) if out else None, "skipped_cases": len(lib.skipped),
+                "forecasts": [{"candidate": f.candidate, "step_s": f.step_s, "range_s": f.range_s, "gain_pct": f.gain_pct,
+                               "worth_trial": f.worth_trial, "method": f.method, "limiting_stage": f.limiting_stage}
+                              for f in result.forecasts],
+            }))
+
+
+def _print_table(result, min_gain: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"forecast against baseline {result.baseline_step_s:.3f} s (marked: >= {min_gain:g} % faster)")
+    for col in ("", "candidate", "step s", "range s", "gain %", "limited by", "method", "uncertain"):
+        table.add_column(col)
+    for f in result.forecasts:
+        table.add_row("*" if f.worth_trial else "", f.candidate, f"{f.step_s:.3f}", f"{f.range_s[0]:.3f}-{f.range_s[1]:.3f}",
+                      f"{f.gain_pct:+.1f}", f.limiting_stage, f.method, ", ".join(f.uncertain))
+    Console(stderr=True).print(table)

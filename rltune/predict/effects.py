@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rltune.predict.setup import setup_from_case
+from rltune.predict.theory import measured_stages
 
 if TYPE_CHECKING:
     from rltune.contracts.cases import CaseRecord
 
-MEASURES = ("rollout_s", "training_s", "weight_sync_s", "step_s")
+MEASURES = ("rollout", "training", "weight_sync", "step")
 EPS_S = 1e-3
 DEFAULT_REPEAT_NOISE = 0.03
 
@@ -71,7 +72,7 @@ def _key(value: Any) -> str:
 
 def _summarise(samples: list[dict[str, float]], same_job: bool, noise: float) -> Effect:
     mean = {m: statistics.fmean(s[m] for s in samples) for m in MEASURES}
-    step = [s["step_s"] for s in samples]
+    step = [s["step"] for s in samples]
     spread = statistics.stdev(step) if len(step) > 1 else 0.0
     # Each side of a pair carries run-to-run noise; more pairs average it down.
     spread = math.sqrt(spread ** 2 + 2 * noise ** 2 / len(samples))
@@ -97,10 +98,11 @@ def knob_effects(cases: Sequence[CaseRecord]) -> KnobEffects:
     means: dict[tuple, dict[str, float]] = {}
     deviations: list[float] = []
     for full, members in groups.items():
-        logs = {m: [math.log(c.measured.get(m, 0.0) + EPS_S) for c in members] for m in MEASURES}
+        values = [{**measured_stages(c), "step": c.step_s} for c in members]
+        logs = {m: [math.log(v[m] + EPS_S) for v in values] for m in MEASURES}
         means[full] = {m: statistics.fmean(v) for m, v in logs.items()}
         if len(members) > 1:
-            step = logs["step_s"]
+            step = logs["step"]
             centre = statistics.fmean(step)
             deviations += [(x - centre) ** 2 * len(step) / (len(step) - 1) for x in step]
             effects.repeat_groups += 1

@@ -49,7 +49,7 @@ from rltune.predict.setup import (
     setup_from_case,
     setup_from_job,
 )
-from rltune.predict.theory import STAGE_COLUMN, STAGES, TheoryModel, modelled_settings
+from rltune.predict.theory import STAGES, TheoryModel, measured_stages, modelled_settings
 from rltune.steps import combine
 
 if TYPE_CHECKING:
@@ -173,7 +173,7 @@ class _Estimate:
 
 
 def _case_stages(case: CaseRecord) -> dict[str, float]:
-    return {s: float(case.measured.get(STAGE_COLUMN[s], 0.0)) for s in STAGES}
+    return measured_stages(case)
 
 
 def _overhead(case: CaseRecord) -> float:
@@ -207,8 +207,8 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool)
             continue  # already scaled by theory(target) / theory(case)
         if effect is not None:
             for s in STAGES:
-                stages[s] = (stages[s] + EPS_S) * math.exp(effect.log_ratio[STAGE_COLUMN[s]]) - EPS_S
-            step = (step + EPS_S) * math.exp(effect.log_ratio["step_s"]) - EPS_S
+                stages[s] = (stages[s] + EPS_S) * math.exp(effect.log_ratio[s]) - EPS_S
+            step = (step + EPS_S) * math.exp(effect.log_ratio["step"]) - EPS_S
             var += effect.spread ** 2
             current = current.with_setting(name, b)
             continue
@@ -226,9 +226,9 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool)
         if slope is not None:
             span = math.log(float(b) / float(a))
             for s in STAGES:
-                stages[s] = (stages[s] + EPS_S) * math.exp(slope[STAGE_COLUMN[s]] * span) - EPS_S
-            step = (step + EPS_S) * math.exp(slope["step_s"] * span) - EPS_S
-            var += (0.03 + 0.3 * abs(slope["step_s"] * span)) ** 2
+                stages[s] = (stages[s] + EPS_S) * math.exp(slope[s] * span) - EPS_S
+            step = (step + EPS_S) * math.exp(slope["step"] * span) - EPS_S
+            var += (0.03 + 0.3 * abs(slope["step"] * span)) ** 2
             current = current.with_setting(name, b)
             continue
         if name == "rl_mode":  # the rule itself says how stages combine under another mode

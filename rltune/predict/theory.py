@@ -44,6 +44,10 @@ STAGES = ("rollout", "training", "weight_sync")
 STAGE_COLUMN = {"rollout": "rollout_s", "training": "training_s", "weight_sync": "weight_sync_s"}
 EPS_S = 1e-3  # seconds added before taking logs: a stage measured as 0 must not dominate the fit
 GPU_MEMORY_BYTES = {"H100": 80e9, "H200": 141e9, "B200": 180e9, "B300": 288e9, "A100": 80e9}
+# Coefficients that are fractions or factors of a physical quantity keep their meaning while fitted.
+BOUNDS = {"continuous_fill": (0.05, 1.0), "compile_factor": (0.05, 1.5), "prebuilt_factor": (0.01, 1.0),
+          "delta_fraction": (0.001, 1.0), "padding_overhead": (0.01, 3.0), "checkpoint_overhead": (0.05, 1.5)}
+FREE_RANGE = 1e4  # other coefficients may move this factor either way from their prior
 BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "float32": 4.0, "bfloat16": 2.0}
 
 
@@ -337,7 +341,8 @@ class TheoryModel:
                 groups.setdefault(device_class(case.device), []).append(case)
         for cls, group in groups.items():
             f = Features([setup_from_case(c) for c in group])
-            measured = {stage: np.asarray([c.measured.get(STAGE_COLUMN[stage], 0.0) for c in group]) for stage in STAGES}
+            per_case = [measured_stages(c) for c in group]
+            measured = {stage: np.asarray([m[stage] for m in per_case]) for stage in STAGES}
             start = self.coefficients_for("cpu" if cls == "cpu" else "gpu")
             names = sorted(start)
             prior = prior_coefficients("cpu" if cls == "cpu" else "gpu")
@@ -352,10 +357,28 @@ class TheoryModel:
                 parts.append(prior_weight * (theta - theta_prior))
                 return np.concatenate(parts)
 
-            result = least_squares(residuals, theta0, method="trf", x_scale=1.0, max_nfev=200 * len(names))
+            low = np.asarray([math.log(BOUNDS[n][0]) if n in BOUNDS else math.log(prior[n] / FREE_RANGE) for n in names])
+            high = np.asarray([math.log(BOUNDS[n][1]) if n in BOUNDS else math.log(prior[n] * FREE_RANGE) for n in names])
+            theta0 = np.clip(theta0, low + 1e-9, high - 1e-9)
+            result = least_squares(residuals, theta0, bounds=(low, high), method="trf", x_scale=1.0, max_nfev=200 * len(names))
             fitted.coefficients[cls] = dict(zip(names, (float(x) for x in np.exp(result.x)), strict=True))
             fitted.fitted_on[cls] = len(group)
         return fitted
+
+
+def measured_stages(case: CaseRecord) -> dict[str, float]:
+    """A case's stage times as the forecast uses them.
+
+    'training' is the trainer's whole time per step: ``training_s`` plus ``old_logprob_s`` when the
+    source timed the separate old-logprob pass on its own (the reference workload does), because
+    that pass runs on the trainer and the RL-mode rule must see it there.
+    """
+    m = case.measured
+    return {
+        "rollout": float(m.get("rollout_s", 0.0)),
+        "training": float(m.get("training_s", 0.0)) + float(m.get("old_logprob_s", 0.0) or 0.0),
+        "weight_sync": float(m.get("weight_sync_s", 0.0)),
+    }
 
 
 def _stage_sums(f: Features, coeffs: dict[str, float]) -> dict[str, np.ndarray]:

@@ -1,0 +1,168 @@
+"""Anchor, similar-runs and theory forecasts; knob effects; theory fitting; retrospective eval.
+
+All case sets here are hand-made with known answers (see predict_casekit) -- they test the
+method, and none of their numbers is a measurement.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from predict_casekit import make_case
+
+from rltune.predict.effects import knob_effects
+from rltune.predict.evaluate import evaluate, plot
+from rltune.predict.forecast import ANCHOR_UNCERTAINTY_BUDGET, forecast_prepared, prepare
+from rltune.predict.setup import SETTING_WEIGHTS, setup_from_case
+from rltune.predict.theory import TERMS, TheoryModel, modelled_settings, register_term, systematic_miss
+
+
+def target_like(case, **knobs):
+    return setup_from_case(case).with_knobs(**knobs)
+
+
+def test_identical_anchor_gives_its_measured_step_unchanged():
+    base = make_case("b", rollout=1.0, training=2.0, weight_sync=0.1, step=3.3)
+    fc = forecast_prepared(prepare([base]), target_like(base))
+    assert fc.method == "anchor" and fc.step_s == pytest.approx(3.3) and fc.uncertain == []
+    assert [c.run_id for c in fc.cases] == ["b"] and fc.cases[0].weight == 1.0
+    assert fc.range_s[0] < 3.3 < fc.range_s[1]
+
+
+def test_anchor_adjusts_by_a_change_earlier_runs_measured():
+    b0 = make_case("b0", rollout=1.0, training=2.0, weight_sync=0.1, t=0)
+    mb4 = make_case("mb4", rollout=1.0, training=1.5, weight_sync=0.1, knobs={"micro_batch_size": 4}, t=100)
+    packed = make_case("packed", rollout=1.2, training=1.6, weight_sync=0.1, knobs={"packing": True}, t=200)
+    p = prepare([b0, mb4, packed], fit=False)
+    fc = forecast_prepared(p, target_like(b0, micro_batch_size=4, packing=True))
+    assert fc.method == "anchor"
+    # two equally close anchors: packed moved by the measured micro-batch change, mb4 moved by the measured packing change
+    via_packed = packed.step_s * mb4.step_s / b0.step_s
+    via_mb4 = mb4.step_s * packed.step_s / b0.step_s
+    assert fc.step_s == pytest.approx((via_packed + via_mb4) / 2, rel=1e-3)
+    assert fc.stages_s["training"] == pytest.approx(1.6 * 1.5 / 2.0, rel=1e-2)
+
+
+def test_an_unestimable_difference_over_budget_disqualifies_the_anchor():
+    assert "mtp" not in modelled_settings()
+    assert SETTING_WEIGHTS["mtp"][1] > ANCHOR_UNCERTAINTY_BUDGET >= SETTING_WEIGHTS["chunked_prefill"][1]
+    base = make_case("b", rollout=1.0, training=2.0, weight_sync=0.1)
+    p = prepare([base], fit=False)
+    mtp = forecast_prepared(p, target_like(base, mtp=True))
+    assert mtp.method == "similar" and mtp.uncertain == ["mtp"]
+    assert mtp.step_s == pytest.approx(base.step_s)  # assumed to have no effect ...
+    chunked = forecast_prepared(p, target_like(base, chunked_prefill=True))
+    assert chunked.method == "anchor" and chunked.uncertain == ["chunked_prefill"]
+    wide, narrow = mtp.range_s[1] / mtp.range_s[0], forecast_prepared(p, target_like(base)).range_s
+    assert wide > narrow[1] / narrow[0]  # ... but says it is less sure
+
+
+def test_theory_moves_a_setting_no_run_measured():
+    base = make_case("b", rollout=1.0, training=2.0, weight_sync=0.1)
+    fc = forecast_prepared(prepare([base], fit=False), target_like(base, grad_checkpointing=True))
+    assert fc.method == "anchor" and fc.uncertain == []
+    assert fc.stages_s["training"] > 2.0 and fc.stages_s["rollout"] == pytest.approx(1.0)
+
+
+def test_rl_mode_change_recombines_the_stages():
+    base = make_case("b", rollout=1.0, training=2.0, weight_sync=0.5)
+    fc = forecast_prepared(prepare([base], fit=False), target_like(base, rl_mode="fully_async"))
+    assert fc.rl_mode == "fully_async" and fc.limiting_stage == "training+weight_sync"
+    assert fc.step_s == pytest.approx(2.5, rel=1e-6)
+
+
+def test_empty_library_falls_back_to_theory_with_a_wide_range():
+    base = make_case("b", rollout=1.0, training=2.0, weight_sync=0.1)
+    fc = forecast_prepared(prepare([]), setup_from_case(base))
+    assert fc.method == "theory" and fc.cases == []
+    assert fc.range_s[1] / fc.range_s[0] > 4
+
+
+def test_repeats_set_the_run_to_run_noise():
+    runs = [make_case(f"r{i}", rollout=1.0, training=2.0 + d, weight_sync=0.1, t=i) for i, d in enumerate((0.0, 0.2, -0.2, 0.1))]
+    effects = knob_effects(runs)
+    steps = np.log([r.step_s + 1e-3 for r in runs])
+    assert effects.repeat_groups == 1
+    assert effects.repeat_noise == pytest.approx(float(np.std(steps, ddof=1)), rel=1e-6)
+    fc = forecast_prepared(prepare(runs, fit=False), setup_from_case(runs[0]))
+    assert fc.step_s == pytest.approx(np.mean([r.step_s for r in runs]), rel=1e-9)
+
+
+def test_measured_effects_are_symmetric_and_elasticities_interpolate():
+    cases = [make_case(f"mb{mb}", rollout=1.0, training=4.0 * (8 / mb) ** 0.5, weight_sync=0.1, knobs={"micro_batch_size": mb}, t=mb)
+             for mb in (2, 8, 32)]
+    effects = knob_effects(cases)
+    up, down = effects.lookup("micro_batch_size", 2, 8), effects.lookup("micro_batch_size", 8, 2)
+    assert up.log_ratio["training"] == pytest.approx(-down.log_ratio["training"])
+    assert up.log_ratio["training"] == pytest.approx(math.log(0.5), rel=1e-3)
+    assert effects.elasticity("micro_batch_size")["training"] == pytest.approx(-0.5, rel=1e-3)
+    assert effects.lookup("micro_batch_size", 2, 16) is None
+
+
+def test_fit_recovers_the_coefficients_that_made_the_cases():
+    truth = TheoryModel(coefficients={"cpu": {"s_per_train_flop": 9e-11, "s_per_decode_step": 5e-3, "sync_fixed_filesystem_s": 0.05}})
+    cases = []
+    for i, (mb, conc, batch) in enumerate([(2, 4, 16), (4, 8, 32), (8, 16, 32), (16, 32, 64), (8, 4, 64), (32, 16, 16), (4, 32, 128)]):
+        probe = make_case(f"c{i}", rollout=1, training=1, weight_sync=1, knobs={"micro_batch_size": mb, "engine_max_concurrency": conc},
+                          facts={"tasks_per_batch": batch / 4})
+        stages = truth.stages(setup_from_case(probe))
+        cases.append(make_case(f"c{i}", rollout=stages["rollout"], training=stages["training"], weight_sync=stages["weight_sync"],
+                               knobs={"micro_batch_size": mb, "engine_max_concurrency": conc}, facts={"tasks_per_batch": batch / 4}))
+    fitted = TheoryModel().fit(cases, prior_weight=1e-4)
+    assert fitted.fitted_on == {"cpu": 7}
+    for case in cases:
+        got, want = fitted.stages(setup_from_case(case)), truth.stages(setup_from_case(case))
+        for stage in want:
+            assert got[stage] == pytest.approx(want[stage], rel=0.02), stage
+    assert TheoryModel().stages(setup_from_case(cases[0]))["training"] != pytest.approx(cases[0].measured["training_s"], rel=0.02)
+
+
+def test_systematic_miss_flags_one_sided_stage_errors_only():
+    cases = [make_case(f"r{i}", rollout=1.0, training=2.0, weight_sync=0.1, t=i,
+                       forecast={"rollout_s": 1.0 * (1 + 0.01 * (-1) ** i), "training_s": 1.6, "weight_sync_s": 0.1, "step_s": 3.0})
+             for i in range(6)]
+    misses = systematic_miss(cases)
+    assert set(misses) == {"training"} and misses["training"] == pytest.approx(math.log(2.001 / 1.601), rel=1e-6)
+
+
+def test_a_registered_term_makes_its_setting_estimable():
+    base = make_case("b", rollout=1.0, training=2.0, weight_sync=0.1)
+    assert "hot_spares" not in modelled_settings()
+    register_term("rollout", "hot_spares", ("hot_spares",), {"s_per_spare": (0.5, 0.5)},
+                  lambda f, c: c["s_per_spare"] * f.num("hot_spares", 0.0))
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            register_term("rollout", "hot_spares", (), {}, lambda f, c: 0)
+        theory = TheoryModel()
+        moved = target_like(base, hot_spares=2)
+        assert theory.stages(moved)["rollout"] == pytest.approx(theory.stages(setup_from_case(base))["rollout"] + 1.0)
+        fc = forecast_prepared(prepare([base], theory, fit=False), moved)
+        assert fc.method == "anchor" and fc.uncertain == [] and fc.stages_s["rollout"] > 1.0
+    finally:
+        TERMS[:] = [t for t in TERMS if t.name != "hot_spares"]
+
+
+def test_evaluate_uses_only_runs_finished_before_each_start(tmp_path):
+    runs = [make_case("r0", rollout=1.0, training=2.0, weight_sync=0.1, step=3.0, t=0),
+            make_case("r1", rollout=1.0, training=2.0, weight_sync=0.1, step=3.3, t=100),
+            make_case("r2", rollout=1.0, training=2.0, weight_sync=0.1, step=3.0, t=130),  # starts before r1 finished (160)
+            make_case("r3", rollout=1.0, training=2.0, weight_sync=0.1, step=3.0, t=300)]
+    report = evaluate(runs)
+    assert report.runs == 4 and report.without_history == ["r0"]
+    rows = {r.run_id: r for r in report.rows}
+    assert rows["r1"].history == 1 and rows["r1"].predicted_step_s == pytest.approx(3.0)
+    assert rows["r2"].history == 1 and rows["r2"].predicted_step_s == pytest.approx(3.0)
+    assert rows["r3"].history == 3 and rows["r3"].predicted_step_s == pytest.approx(3.1)
+    assert rows["r1"].error_pct == pytest.approx(100 * (3.0 - 3.3) / 3.3)
+    assert report.median_abs_error_pct == pytest.approx(100 * 0.1 / 3.0, rel=1e-3)
+    assert report.within_10pct_count == 3 and report.by_workload == {"math": report.median_abs_error_pct}
+    assert report.by_method["anchor"]["count"] == 3
+    png = plot(report, tmp_path / "eval.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_evaluate_of_an_empty_library_reports_nothing(tmp_path):
+    report = evaluate(tmp_path)
+    assert (report.runs, report.evaluated, report.median_abs_error_pct, report.range_coverage) == (0, 0, None, None)
