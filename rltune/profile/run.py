@@ -63,6 +63,8 @@ def profile_job(job_path: str | Path, run_dir: str | Path, steps: int | None = N
     job_path = Path(job_path)
     run_dir = Path(run_dir).resolve()
     job = load_job(job_path)
+    # Always pass the step count, so the job runs exactly as many steps as its stage table will hold.
+    steps = int(steps if steps is not None else job.limits.steps)
     resolved = resolved_job(job, job_path, overrides, steps)
     metrics_path = Path(job.metrics.path.replace("{run_dir}", str(run_dir)))
     if not metrics_path.is_absolute():
