@@ -4,7 +4,7 @@ One round starts from the current baseline (the untuned job, then each kept setu
 feeds ``propose``, the case library and theory feed the forecast, and the most promising setup
 forecast at least ``limits.min_forecast_gain_pct`` faster runs for real. A kept setup becomes the
 next round's baseline; a rejected one is recorded and the next candidate is tried, with forecasts
-that now include its result. The loop stops when no candidate is forecast fast enough, the trial
+that now include its result. Knob values seen only in runs that crashed or hung are not tried again. The loop stops when no candidate is forecast fast enough, the trial
 budget is spent, or the rounds run out; then it writes the tuned preset, the savings by technique
 and the HTML report.
 
@@ -231,6 +231,9 @@ class AutoLoop:
             candidates = propose(baseline.diagnosis, self.job, knowledge, knobs=baseline.knobs, job_path=str(self.job_path),
                                  round_tag=f"r{round_no}", tried=tried, allow_needs=self.allow_needs,
                                  baseline_dir=str(baseline.run_dirs[0]), untuned_dir=str(untuned.run_dirs[0]))
+            banned = self._failed_settings()
+            candidates.candidates = [c for c in candidates.candidates
+                                     if not banned & set({**baseline.knobs, **c.overrides}.items())]
             save_candidates(candidates, round_dir / "candidates.yaml")
             if not candidates.candidates:
                 self._emit("round_end", round=round_no, outcome="no_candidates", unfixed=candidates.unfixed)
@@ -273,6 +276,18 @@ class AutoLoop:
                 return "kept", new, round_trials
         self._emit("round_end", round=round_no, outcome="none_kept")
         return "none_kept", baseline, round_trials
+
+    def _failed_settings(self) -> set[tuple[str, Any]]:
+        """Knob values seen only in runs that crashed or hung: setups holding one are not tried again.
+
+        A failed setup that changed several knobs bans all its new values (the culprit is unknown);
+        a value that also ran fine elsewhere is never banned.
+        """
+        events = self.journal.events()
+        ran_fine = {item for e in events if e["event"] in ("baseline", "trial") and e.get("decision", "ok") != "failed"
+                    for item in e["knobs"].items()}
+        return {item for e in events if e["event"] == "trial" and e["decision"] == "failed"
+                for item in e["knobs"].items()} - ran_fine
 
     @staticmethod
     def _trial_fields(start: Event, verdict: Any) -> dict[str, Any]:
