@@ -31,9 +31,13 @@ the ranges stored with earlier cases covered what was then measured.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -59,6 +63,8 @@ if TYPE_CHECKING:
 
 ANCHOR_UNCERTAINTY_BUDGET = 0.5
 MAX_ANCHOR_ADJUSTMENTS = 3
+MAX_ANCHOR_DISTANCE = 3.0  # beyond this a case is not 'a similar setup' of the same job
+MAX_ANCHOR_CANDIDATES = 12
 MAX_SIMILAR_CASES = 8
 MAX_SIMILAR_DISTANCE = 8.0
 RANGE_Z = 1.645  # two-sided 90 % of a normal in log space, before calibration
@@ -133,20 +139,77 @@ class Prepared:
     matrix: _SettingMatrix
     range_scale: float
     modelled: set[str]
+    _theory_memo: dict | None = None
+
+    def theory_stages(self, setup: Setup) -> dict[str, float]:
+        """Theory seconds per stage of one setup, memoised (anchor search asks for the same ones often)."""
+        if self._theory_memo is None:
+            self._theory_memo = {}
+        key = repr(sorted(setup.settings().items(), key=lambda kv: kv[0]))
+        if key not in self._theory_memo:
+            self._theory_memo[key] = self.theory.stages(setup)
+        return self._theory_memo[key]
+
+    def theory_ratio(self, target: Setup, case: Setup) -> dict[str, float]:
+        t, c = self.theory_stages(target), self.theory_stages(case)
+        return {s: t[s] / c[s] if c[s] > 0 else 1.0 for s in STAGES}
 
 
-def prepare(cases: Sequence[CaseRecord], theory: TheoryModel | None = None, *, fit: bool = True) -> Prepared:
-    """Fit the theory to the ok cases (unless ``fit`` is False) and learn knob effects."""
+def prepare(cases: Sequence[CaseRecord], theory: TheoryModel | None = None, *, fit: bool = True,
+            cache_dir: str | os.PathLike | None = None) -> Prepared:
+    """Fit the theory to the ok cases (unless ``fit`` is False) and learn knob effects.
+
+    The fit depends only on the library's cases, so it is cached: in memory, and -- given
+    ``cache_dir`` (the library directory) -- in ``_theory.json`` there, keyed by a hash of the
+    cases. Appending a case changes the key, and the next forecast refits.
+    """
     ok = [c for c in cases if c.status == "ok"]
     model = theory or TheoryModel()
     if fit and ok:
-        model = model.fit(ok)
+        model = _fitted(model, ok, cache_dir)
     setups = [setup_from_case(c) for c in ok]
     return Prepared(
         cases=ok, setups=setups, theory=model, effects=knob_effects(ok),
         case_theory=model.stages_many(setups) if setups else {s: np.zeros(0) for s in STAGES},
         matrix=_SettingMatrix(setups), range_scale=range_calibration(ok), modelled=modelled_settings(),
     )
+
+
+_FIT_CACHE: dict[str, TheoryModel] = {}
+THEORY_CACHE_NAME = "_theory.json"
+
+
+def _fit_key(model: TheoryModel, cases: Sequence[CaseRecord]) -> str:
+    from rltune.predict.theory import TERMS
+
+    h = hashlib.sha256()
+    h.update(json.dumps([model.coefficients, sorted((t.stage, t.name) for t in TERMS)], sort_keys=True).encode())
+    for c in sorted(cases, key=lambda c: c.run_id):
+        h.update(json.dumps([c.run_id, c.finished_at, c.measured], sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def _fitted(model: TheoryModel, cases: Sequence[CaseRecord], cache_dir: str | os.PathLike | None) -> TheoryModel:
+    key = _fit_key(model, cases)
+    if key in _FIT_CACHE:
+        return _FIT_CACHE[key]
+    path = Path(cache_dir) / THEORY_CACHE_NAME if cache_dir is not None else None
+    if path is not None and path.exists():
+        try:
+            stored = json.loads(path.read_text(encoding="utf-8"))
+            if stored.get("key") == key:
+                fitted = TheoryModel(stored["coefficients"], stored["fitted_on"])
+                _FIT_CACHE[key] = fitted
+                return fitted
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # a damaged cache is only a slower forecast: refit below and overwrite it
+    fitted = model.fit(cases)
+    _FIT_CACHE[key] = fitted
+    if path is not None and os.access(path.parent, os.W_OK):
+        from rltune.contracts.schema import atomic_write_text
+
+        atomic_write_text(path, json.dumps({"key": key, "coefficients": fitted.coefficients, "fitted_on": fitted.fitted_on}))
+    return fitted
 
 
 def range_calibration(cases: Sequence[CaseRecord]) -> float:
@@ -195,7 +258,8 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool)
     identity = setup.identity()
     current = setup
     if use_theory_for_all:
-        ratio = p.theory.ratio(target, setup)
+        t = p.theory_stages(target)
+        ratio = {s: t[s] / p.case_theory[s][index] if p.case_theory[s][index] > 0 else 1.0 for s in STAGES}
         before = combine(target.rl_mode, *(stages[s] for s in STAGES))[0]
         stages = {s: stages[s] * ratio[s] for s in STAGES}
         after = combine(target.rl_mode, *(stages[s] for s in STAGES))[0]
@@ -214,7 +278,7 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool)
             continue
         if name in p.modelled and not use_theory_for_all:
             moved = current.with_setting(name, b)
-            ratio = p.theory.ratio(moved, current)
+            ratio = p.theory_ratio(moved, current)
             before = combine(moved.rl_mode, *(stages[s] for s in STAGES))[0]
             stages = {s: stages[s] * ratio[s] for s in STAGES}
             after = combine(moved.rl_mode, *(stages[s] for s in STAGES))[0]
@@ -248,9 +312,10 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool)
 
 def _anchor(p: Prepared, target: Setup, distances: np.ndarray) -> _Estimate | None:
     key = target.identity() + (target.rl_mode,)
-    same = [i for i in np.argsort(distances, kind="stable") if p.matrix.identity[i] == key]
+    near = np.flatnonzero(distances <= MAX_ANCHOR_DISTANCE)
+    same = [int(i) for i in near[np.argsort(distances[near], kind="stable")] if p.matrix.identity[i] == key]
     qualified = []
-    for i in same[:40]:
+    for i in same[:MAX_ANCHOR_CANDIDATES]:
         stages, step, var, uncertain, load, n_adjust = _adjust(p, int(i), target, use_theory_for_all=False)
         if load <= ANCHOR_UNCERTAINTY_BUDGET and n_adjust - len(uncertain) <= MAX_ANCHOR_ADJUSTMENTS:
             qualified.append((n_adjust, load, float(distances[i]), int(i), stages, step, var, uncertain))
@@ -329,7 +394,8 @@ def forecast_prepared(p: Prepared, target: Setup, candidate: str = "baseline", o
 def forecast_setup(job: JobSpec, knobs: dict[str, Any], cases: CaseLibrary | Sequence[CaseRecord] | Prepared,
                    *, theory: TheoryModel | None = None, candidate: str = "baseline") -> CandidateForecast:
     """Forecast ``job`` run with ``knobs`` (merged over the job's baseline knobs)."""
-    p = cases if isinstance(cases, Prepared) else prepare(as_cases(cases if isinstance(cases, CaseLibrary) else list(cases)), theory)
+    p = cases if isinstance(cases, Prepared) else prepare(as_cases(cases if isinstance(cases, CaseLibrary) else list(cases)), theory,
+                                                          cache_dir=cases.path if isinstance(cases, CaseLibrary) else None)
     overrides = {k: v for k, v in knobs.items() if job.knobs.get(k) != v}
     return forecast_prepared(p, setup_from_job(job, knobs), candidate, overrides)
 
@@ -338,7 +404,9 @@ def forecast_candidates(job: JobSpec, candidates: Candidates, library: CaseLibra
                         baseline_knobs: dict[str, Any] | None = None, *, theory: TheoryModel | None = None,
                         job_path: str = "", candidates_file: str = "", library_path: str = "") -> Forecast:
     """Forecast every candidate, rank them fastest first and mark those worth a trial."""
-    p = library if isinstance(library, Prepared) else prepare(as_cases(library if isinstance(library, CaseLibrary) else list(library)), theory)
+    p = library if isinstance(library, Prepared) else prepare(
+        as_cases(library if isinstance(library, CaseLibrary) else list(library)), theory,
+        cache_dir=library.path if isinstance(library, CaseLibrary) and library.path.is_dir() else None)
     base_knobs = {**job.knobs, **(baseline_knobs if baseline_knobs is not None else candidates.baseline_knobs)}
     baseline = forecast_prepared(p, setup_from_job(job, base_knobs), "baseline", {})
     forecasts = []

@@ -47,7 +47,8 @@ GPU_MEMORY_BYTES = {"H100": 80e9, "H200": 141e9, "B200": 180e9, "B300": 288e9, "
 # Coefficients that are fractions or factors of a physical quantity keep their meaning while fitted.
 BOUNDS = {"continuous_fill": (0.05, 1.0), "compile_factor": (0.05, 1.5), "prebuilt_factor": (0.01, 1.0),
           "delta_fraction": (0.001, 1.0), "padding_overhead": (0.01, 3.0), "checkpoint_overhead": (0.05, 1.5)}
-FREE_RANGE = 1e4  # other coefficients may move this factor either way from their prior
+FREE_RANGE = 1e4
+MAX_FIT_CASES = 300  # other coefficients may move this factor either way from their prior
 BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "float32": 4.0, "bfloat16": 2.0}
 
 
@@ -340,6 +341,9 @@ class TheoryModel:
             if case.status == "ok":
                 groups.setdefault(device_class(case.device), []).append(case)
         for cls, group in groups.items():
+            if len(group) > MAX_FIT_CASES:  # an even spread over time bounds the cost on large libraries
+                step = len(group) / MAX_FIT_CASES
+                group = [group[int(i * step)] for i in range(MAX_FIT_CASES)]
             f = Features([setup_from_case(c) for c in group])
             per_case = [measured_stages(c) for c in group]
             measured = {stage: np.asarray([m[stage] for m in per_case]) for stage in STAGES}
@@ -360,7 +364,8 @@ class TheoryModel:
             low = np.asarray([math.log(BOUNDS[n][0]) if n in BOUNDS else math.log(prior[n] / FREE_RANGE) for n in names])
             high = np.asarray([math.log(BOUNDS[n][1]) if n in BOUNDS else math.log(prior[n] * FREE_RANGE) for n in names])
             theta0 = np.clip(theta0, low + 1e-9, high - 1e-9)
-            result = least_squares(residuals, theta0, bounds=(low, high), method="trf", x_scale=1.0, max_nfev=200 * len(names))
+            result = least_squares(residuals, theta0, bounds=(low, high), method="trf", tr_solver="lsmr", x_scale=1.0,
+                                   max_nfev=50 * len(names))
             fitted.coefficients[cls] = dict(zip(names, (float(x) for x in np.exp(result.x)), strict=True))
             fitted.fitted_on[cls] = len(group)
         return fitted
