@@ -109,6 +109,8 @@ class WorkloadConfig:
             raise FieldProblem("trainer.world_size", "world_size > 1 needs trainer.launcher: torchrun")
         if self.trainer.mini_batches > self.orchestrator.tasks_per_batch:
             raise FieldProblem("trainer.mini_batches", f"must not exceed orchestrator.tasks_per_batch ({self.orchestrator.tasks_per_batch}); each mini-batch holds whole groups")
+        if self.engine.kv_cache_tokens < self.env.context_limit_tokens + 1:
+            raise FieldProblem("engine.kv_cache_tokens", f"must hold at least one whole trial (env.context_limit_tokens + 1 = {self.env.context_limit_tokens + 1})")
         if self.env.kind == "tool_use" and self.env.context_limit_tokens < 2 * self.env.max_new_tokens:
             raise FieldProblem("env.context_limit_tokens", "must be at least twice env.max_new_tokens for a multi-turn trial")
 

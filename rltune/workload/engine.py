@@ -24,6 +24,7 @@ Messages out (shared queue): ``("ready", engine, info)``, ``("result", engine, r
 
 from __future__ import annotations
 
+import os
 import queue
 import time
 import traceback
@@ -71,7 +72,9 @@ class _Sequence:
         return self.prompt + self.tokens
 
 
-class _Engine:
+class Engine:
+    """One engine's model, running batch and queue; ``serve`` is the process loop, ``step`` one iteration."""
+
     def __init__(self, index: int, settings: EngineSettings, out_queue):
         import torch
 
@@ -127,16 +130,21 @@ class _Engine:
             for msg in messages:
                 if msg[0] == "stop":
                     return
-                self._handle(msg)
-            start = time.perf_counter()
-            did = self._admit()
-            if self.running:
-                self._decode_step()
-                did = True
-            if did:
-                self.counters["busy_s"] += time.perf_counter() - start
+                self.handle(msg)
+            self.step()
 
-    def _handle(self, msg: tuple) -> None:
+    def step(self) -> bool:
+        """Admit (prefill) what fits, then decode one token for every running row; False if idle."""
+        start = time.perf_counter()
+        did = self._admit()
+        if self.running:
+            self._decode_step()
+            did = True
+        if did:
+            self.counters["busy_s"] += time.perf_counter() - start
+        return did
+
+    def handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "generate":
             _, req_id, prompt, max_new, temperature, submitted = msg
@@ -333,10 +341,35 @@ class _Engine:
         self._sample_and_advance(out.logits[:, -1, :], rows=list(range(len(self.running))))
 
 
+def _drop_stdlib_shadows() -> None:
+    """Remove sys.path entries (inherited from the parent by spawn) that shadow a standard-library
+    module: e.g. a test tree with a ``profile`` package breaks ``cProfile``, which torch imports."""
+    import sys
+
+    stdlib = sys.stdlib_module_names
+    installed = tuple(os.path.realpath(p) for p in {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix})
+    kept = []
+    for entry in sys.path:
+        if os.path.realpath(entry or ".").startswith(installed) or entry.endswith(".zip"):
+            kept.append(entry)  # the interpreter's own library and installed packages stay
+            continue
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            kept.append(entry)
+            continue
+        shadows = any(name in stdlib and os.path.exists(os.path.join(entry or ".", name, "__init__.py"))
+                      for name in names)
+        if not shadows:
+            kept.append(entry)
+    sys.path[:] = kept
+
+
 def engine_main(index: int, settings: EngineSettings, in_queue, out_queue) -> None:
     """Entry point of an engine process."""
     try:
-        engine = _Engine(index, settings, out_queue)
+        _drop_stdlib_shadows()
+        engine = Engine(index, settings, out_queue)
         engine.serve(in_queue)
     except Exception:  # report any crash to the orchestrator, which turns it into an RltuneError
         out_queue.put(("error", index, traceback.format_exc()))

@@ -144,6 +144,7 @@ class SandboxPool:
         self._lock = threading.Lock()
         self._counter = 0
         self.slot_wait_s_total = 0.0
+        self.images_built = 0  # full image builds (the work a pre-built image saves)
 
     def _base_image(self) -> Path:
         """The environment image (library modules, byte-compiled), built once and then only copied."""
@@ -151,6 +152,7 @@ class SandboxPool:
             if self._base is None:
                 path = self._root / "image"
                 build_image(path, {}, self.modules, self.limits)
+                self.images_built += 1
                 self._base = path
             return self._base
 
@@ -172,6 +174,8 @@ class SandboxPool:
                     (trial_dir / name).write_text(text, encoding="utf-8")
             else:
                 build_image(trial_dir, files, self.modules, self.limits)
+                with self._lock:
+                    self.images_built += 1
             box = Sandbox(trial_dir, self.limits, time.perf_counter() - start)
             try:
                 yield box

@@ -11,7 +11,7 @@ import string
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
-ALPHABET = string.digits + string.ascii_lowercase + string.ascii_uppercase + " \n+-*/=?:.,_()<>'\"#!"
+ALPHABET = string.digits + string.ascii_lowercase + string.ascii_uppercase + " \n+-*/=?:.,_()<>'\"#!$;%|&[]"
 
 
 class CharTokenizer:

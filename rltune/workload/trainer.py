@@ -56,7 +56,10 @@ class GRPOTrainer:
         self.model = build_model(cfg.model.preset, cfg.model.seed, torch_dtype(cfg.model.dtype), self.device,
                                  cfg.model.attn_implementation)
         if self.t.grad_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.config.use_cache = False
         self.module = self.model
         if world_size > 1:
@@ -70,6 +73,12 @@ class GRPOTrainer:
 
     # -- batching ---------------------------------------------------------------------------------
     def shard(self, samples: list[TrainSample]) -> list[TrainSample]:
+        """This rank's samples. Every rank gets the same count (DDP needs the same number of backward
+        calls on each rank), so the list is first padded with copies that carry no loss."""
+        if self.world_size > 1 and len(samples) % self.world_size:
+            filler = TrainSample(samples[0].tokens, [False] * len(samples[0].tokens),
+                                 samples[0].rollout_logprobs, 0.0, samples[0].version)
+            samples = samples + [filler] * (self.world_size - len(samples) % self.world_size)
         return samples[self.rank::self.world_size]
 
     def _micro_batches(self, samples: list[TrainSample]) -> list[list[int]]:
