@@ -1,1 +1,468 @@
-"""Element kernels of weight sync: diff/extract, apply, checksum (Triton) and their torch references."""
+"""Element kernels of weight sync: diff/extract, apply, checksum (Triton) and their torch references.
+
+Public functions choose the Triton kernel for CUDA tensors and the torch reference
+(:mod:`rltune.sync.kernels.reference`) for CPU tensors. ``backend="triton"`` forces the kernel, which
+on a CPU tensor needs ``TRITON_INTERPRET=1`` (set before triton is first imported): that is how CI
+compares every kernel with its reference bit for bit. ``backend="torch"`` forces the reference.
+
+API::
+
+    checksum(t, offset=0) -> int                     # sum (offset+i+1) * u[i] mod 2**64
+    checksums(tensors) -> list[int]                  # one host sync for a whole parameter set
+    diff_extract(old_bits, new_bits, offset=0) -> (idx_C, new_C, old_C, checksum_change)
+    sink = ChangeSink(capacity, max_chunk_elements, max_chunks, device)   # reused step after step
+    sink.append(old_bits, new_bits, offset, key)     # no host sync; changes land in pinned memory
+    sink.finish(); chunks = sink.collect()           # collect() waits for the step's last kernel
+    plan = ApplyPlan(params, layouts)                # device tables + compile, once per index map
+    result = plan.apply(entry_tensor_E, entry_offsets_E1, idx_C, val_C, add=True)
+    apply_mapped_delta(target_bits, pos_C, diff_C, ckpt_idx_C) -> int   # receiver's apply_fn
+
+Layouts (one dict per checkpoint tensor, see :func:`strided_layout`, :func:`table_layout` and
+:func:`layouts_from_index_map`) say where element ``(r, c)`` of a checkpoint tensor lives in this
+worker's parameters: ``base + r * row_stride + c * col_stride`` inside a held window, or
+``base + rows[r] + cols[c]`` with offset tables (layouts that shuffle rows or swizzle block scales).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from rltune.errors import RltuneError
+from rltune.sync.kernels.reference import (
+    MASK64,
+    apply_deltas_ref,
+    as_bits,
+    bits_dtype,
+    checksum_ref,
+    diff_extract_ref,
+)
+
+_MASK_OF_BITS = {torch.int16: 0xFFFF, torch.int32: 0xFFFFFFFF, torch.uint8: 0xFF}
+_WIDTH_OF_BITS = {torch.int16: 16, torch.int32: 32, torch.uint8: 8}
+_DIFF_MAX_ELEMENTS = (1 << 31) - 1
+
+
+class KernelError(RltuneError):
+    """A sync kernel was called with arguments it cannot handle."""
+
+
+class KernelBackendError(KernelError):
+    """The requested backend cannot run here."""
+
+
+class ChangeCapacityError(KernelError):
+    """A step changed more elements than the change sink holds."""
+
+
+class LayoutError(KernelError):
+    """An index map cannot be expressed as strides or row/column offset tables."""
+
+
+def _use_triton(device: torch.device, backend: str) -> bool:
+    if backend == "torch":
+        return False
+    if backend == "auto":
+        return device.type == "cuda"
+    if backend == "triton":
+        if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+            return True
+        raise KernelBackendError("backend='triton' on a CPU tensor needs TRITON_INTERPRET=1 in the environment "
+                                 "before triton is imported; use backend='auto' for the torch reference")
+    raise KernelBackendError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype in _MASK_OF_BITS:
+        return t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+    return as_bits(t.detach().contiguous())
+
+
+def _triton():
+    from rltune.sync.kernels import triton_kernels
+
+    return triton_kernels
+
+
+# ------------------------------------------------------------------------------------------ checksum
+
+
+def _checksum_device(t: torch.Tensor, offset: int) -> torch.Tensor:
+    bits = _bits(t)
+    return _triton().checksum_partials(bits, offset, _MASK_OF_BITS[bits.dtype]).sum()
+
+
+def checksum(t: torch.Tensor, offset: int = 0, backend: str = "auto") -> int:
+    """Position-weighted checksum of a tensor's wire bits (or of a bits view), as ``checksum_ref``."""
+    if not _use_triton(t.device, backend):
+        return checksum_ref(_bits(t), offset)
+    return int(_checksum_device(t, offset)) & MASK64
+
+
+def checksums(tensors: list[torch.Tensor], backend: str = "auto") -> list[int]:
+    """Checksums of a parameter set with a single host sync."""
+    if not tensors:
+        return []
+    if not _use_triton(tensors[0].device, backend):
+        return [checksum_ref(_bits(t)) for t in tensors]
+    sums = torch.stack([_checksum_device(t, 0) for t in tensors])
+    return [int(v) & MASK64 for v in sums.tolist()]
+
+
+# ------------------------------------------------------------------------------------- diff/extract
+
+
+def _check_pair(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor) -> None:
+    if old_bits_N.dtype != new_bits_N.dtype or old_bits_N.numel() != new_bits_N.numel():
+        raise KernelError(f"diff needs two bits tensors of one dtype and size, got {old_bits_N.dtype}[{old_bits_N.numel()}]"
+                          f" and {new_bits_N.dtype}[{new_bits_N.numel()}]")
+    if old_bits_N.dtype not in _MASK_OF_BITS:
+        raise KernelError(f"diff works on wire bits (int16/int32/uint8 views, see as_bits), got {old_bits_N.dtype}")
+    if old_bits_N.numel() > _DIFF_MAX_ELEMENTS:
+        raise KernelError(f"diff chunk of {old_bits_N.numel()} elements exceeds 2^31 - 1; step in chunks "
+                          "(chunked_step max_elements)")
+
+
+@dataclass
+class ChunkChanges:
+    """The changes one ``ChangeSink.append`` recorded (views into the sink's host buffers)."""
+
+    key: Any
+    idx_C: torch.Tensor  # int64, absolute element indices of the tensor, ascending
+    new_C: torch.Tensor  # int32 unsigned wire bits
+    old_C: torch.Tensor  # int32 unsigned wire bits
+    checksum_change: int
+
+
+class ChangeSink:
+    """Host buffers that diff/extract appends changes to, chunk after chunk, without a host sync.
+
+    On CUDA the buffers are pinned and the gather kernel writes into them directly; where each
+    chunk starts and its checksum change stay on the device until :meth:`finish` copies them
+    (asynchronously) and :meth:`collect` waits for that copy. On CPU it runs the torch reference.
+    ``capacity`` bounds the changes of one step: more raise :class:`ChangeCapacityError` at collect.
+    """
+
+    def __init__(self, capacity: int, max_chunk_elements: int, max_chunks: int,
+                 device: torch.device | str = "cpu", backend: str = "auto"):
+        if capacity < 1 or max_chunk_elements < 1 or max_chunks < 1:
+            raise KernelError(f"ChangeSink needs positive sizes, got capacity={capacity}, "
+                              f"max_chunk_elements={max_chunk_elements}, max_chunks={max_chunks}")
+        if max_chunk_elements > _DIFF_MAX_ELEMENTS:
+            raise KernelError(f"max_chunk_elements {max_chunk_elements} exceeds 2^31 - 1")
+        self.device = torch.device(device)
+        self.capacity, self.max_chunk_elements, self.max_chunks = capacity, max_chunk_elements, max_chunks
+        self.triton = _use_triton(self.device, backend)
+        pin = self.device.type == "cuda"
+        self.idx = torch.empty(capacity, dtype=torch.int64, pin_memory=pin)
+        self.new = torch.empty(capacity, dtype=torch.int32, pin_memory=pin)
+        self.old = torch.empty(capacity, dtype=torch.int32, pin_memory=pin)
+        self._start_dev = torch.zeros(max_chunks + 1, dtype=torch.int64, device=self.device)
+        self._checksum_dev = torch.zeros(max_chunks, dtype=torch.int64, device=self.device)
+        self._start_host = torch.zeros(max_chunks + 1, dtype=torch.int64, pin_memory=pin)
+        self._checksum_host = torch.zeros(max_chunks, dtype=torch.int64, pin_memory=pin)
+        self._scratch: dict[torch.dtype, tuple] = {}
+        self._event = None
+        self.keys: list[Any] = []
+
+    def reset(self) -> None:
+        """Start a new step (buffers are reused)."""
+        self.keys = []
+        self._event = None
+        if not self.triton:
+            self._start_host.zero_()
+
+    def _scratch_for(self, dtype: torch.dtype) -> tuple:
+        if dtype not in self._scratch:
+            tk = _triton()
+            n = self.max_chunk_elements
+            programs = tk.diff_programs(n)
+            padded = programs * tk.DIFF_BLOCK
+            self._scratch[dtype] = (torch.empty(padded, dtype=torch.int32, device=self.device),
+                                    torch.empty(padded, dtype=dtype, device=self.device),
+                                    torch.empty(padded, dtype=dtype, device=self.device),
+                                    torch.empty(programs, dtype=torch.int32, device=self.device),
+                                    torch.empty(programs, dtype=torch.int64, device=self.device))
+        return self._scratch[dtype]
+
+    def append(self, old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int, key: Any) -> None:
+        """Record the changes of a chunk holding elements ``[offset, offset + N)`` of the tensor ``key``."""
+        old_bits_N, new_bits_N = old_bits_N.reshape(-1), new_bits_N.reshape(-1)
+        _check_pair(old_bits_N, new_bits_N)
+        if old_bits_N.numel() > self.max_chunk_elements:
+            raise KernelError(f"chunk of {old_bits_N.numel()} elements exceeds the sink's max_chunk_elements "
+                              f"{self.max_chunk_elements}")
+        k = len(self.keys)
+        if k >= self.max_chunks:
+            raise KernelError(f"more than max_chunks={self.max_chunks} chunks in one step; size the sink from "
+                              "the optimizer (chunked.make_sink)")
+        self.keys.append(key)
+        if not self.triton:
+            idx, new, old, change = diff_extract_ref(old_bits_N, new_bits_N, offset)
+            start = int(self._start_host[k])
+            stop = start + idx.numel()
+            keep = max(0, min(stop, self.capacity) - start)
+            self.idx[start:start + keep] = idx[:keep]
+            self.new[start:start + keep] = new[:keep]
+            self.old[start:start + keep] = old[:keep]
+            self._start_host[k + 1] = stop
+            self._checksum_host[k] = change - (1 << 64) if change >= 1 << 63 else change
+            return
+        tk = _triton()
+        partial_P = tk.diff_extract_launch(old_bits_N, new_bits_N, offset, _MASK_OF_BITS[old_bits_N.dtype],
+                                           self._scratch_for(old_bits_N.dtype), self._start_dev, k,
+                                           (self.idx, self.new, self.old), self.capacity)
+        torch.sum(partial_P, dim=0, keepdim=True, out=self._checksum_dev[k:k + 1])
+
+    def finish(self) -> None:
+        """Queue the copy of chunk starts and checksums to the host (no sync)."""
+        if self.triton:
+            n = len(self.keys)
+            self._start_host[:n + 1].copy_(self._start_dev[:n + 1], non_blocking=True)
+            self._checksum_host[:n].copy_(self._checksum_dev[:n], non_blocking=True)
+            if self.device.type == "cuda":
+                self._event = torch.cuda.Event()
+                self._event.record()
+
+    def collect(self) -> list[ChunkChanges]:
+        """Wait for the step's kernels and return each chunk's changes (views; copy before the next step)."""
+        if self._event is not None:
+            self._event.synchronize()
+        elif self.triton and self.device.type == "cuda":
+            raise KernelError("ChangeSink.collect() before finish(); call finish() after the last append")
+        n = len(self.keys)
+        starts = self._start_host[:n + 1].tolist()
+        if starts[n] > self.capacity:
+            raise ChangeCapacityError(f"the step changed {starts[n]} elements but the change sink holds {self.capacity}; "
+                                      "publish a full checkpoint for this step and raise the sink capacity "
+                                      "(capacity_fraction)")
+        return [ChunkChanges(key, self.idx[a:b], self.new[a:b], self.old[a:b], int(c) & MASK64)
+                for key, a, b, c in zip(self.keys, starts[:-1], starts[1:], self._checksum_host[:n].tolist(),
+                                        strict=True)]
+
+
+def diff_extract(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int = 0,
+                 backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Changed elements of one chunk, as :func:`~rltune.sync.kernels.reference.diff_extract_ref` (syncs once)."""
+    old_bits_N, new_bits_N = old_bits_N.reshape(-1), new_bits_N.reshape(-1)
+    _check_pair(old_bits_N, new_bits_N)
+    if not _use_triton(old_bits_N.device, backend):
+        return diff_extract_ref(old_bits_N, new_bits_N, offset)
+    n = old_bits_N.numel()
+    dev = old_bits_N.device
+    tk = _triton()
+    programs = tk.diff_programs(n)
+    padded = programs * tk.DIFF_BLOCK
+    scratch = (torch.empty(padded, dtype=torch.int32, device=dev), torch.empty(padded, dtype=old_bits_N.dtype, device=dev),
+               torch.empty(padded, dtype=old_bits_N.dtype, device=dev), torch.empty(programs, dtype=torch.int32, device=dev),
+               torch.empty(programs, dtype=torch.int64, device=dev))
+    out = (torch.empty(n, dtype=torch.int64, device=dev), torch.empty(n, dtype=torch.int32, device=dev),
+           torch.empty(n, dtype=torch.int32, device=dev))
+    start = torch.zeros(2, dtype=torch.int64, device=dev)
+    partial_P = tk.diff_extract_launch(old_bits_N, new_bits_N, offset, _MASK_OF_BITS[old_bits_N.dtype], scratch, start,
+                                       0, out, n)
+    count = int(start[1])
+    return out[0][:count], out[1][:count], out[2][:count], int(partial_P.sum()) & MASK64
+
+
+# --------------------------------------------------------------------------------------- fused apply
+
+
+def strided_layout(target: int, shape: tuple[int, ...] | list[int], base: int = 0,
+                   rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None,
+                   row_stride: int | None = None, col_stride: int = 1) -> dict:
+    """Layout of a checkpoint tensor held at ``base + r * row_stride + c * col_stride`` for ``r`` in
+    ``rows`` and ``c`` in ``cols`` (checkpoint coordinates); defaults: the whole tensor, row-major."""
+    if len(shape) <= 1:
+        n_rows, ncols = 1, int(np.prod(shape)) if len(shape) else 1
+    else:
+        n_rows, ncols = int(shape[0]), int(np.prod(shape[1:]))
+    rows = rows or (0, n_rows)
+    cols = cols or (0, ncols)
+    return dict(target=target, ncols=max(1, ncols), base=base,
+                row_stride=(cols[1] - cols[0]) * col_stride if row_stride is None else row_stride,
+                col_stride=col_stride, row_window=tuple(rows), col_window=tuple(cols))
+
+
+def table_layout(target: int, ncols: int, row_offsets: torch.Tensor, col_offsets: torch.Tensor,
+                 base: int = 0) -> dict:
+    """Layout with per-row and per-column offset tables (int64, -1 = not held): ``base + rows[r] + cols[c]``."""
+    return dict(target=target, ncols=ncols, base=base, row_stride=0, col_stride=0, row_window=(0, 0),
+                col_window=(0, 0), row_table=torch.as_tensor(row_offsets, dtype=torch.int64),
+                col_table=torch.as_tensor(col_offsets, dtype=torch.int64))
+
+
+def layouts_from_index_map(index_map, shapes: dict[str, list[int]]) -> tuple[list[str], list[dict]]:
+    """Layouts of a recorded :class:`~rltune.sync.indexmap.IndexMap` (runs) for the fused kernel.
+
+    Returns the checkpoint names in layout order and their layouts; ``target`` is the index into
+    ``index_map.param_names``. Raises :class:`LayoutError` when a tensor's elements go to more than
+    one parameter or its positions are not ``rows[r] + cols[c]``.
+    """
+    names, layouts = [], []
+    for name, runs in index_map.tensors.items():
+        shape = list(shapes[name])
+        n_rows = int(shape[0]) if len(shape) > 1 else 1
+        ncols = max(1, runs.numel // max(1, n_rows))
+        names.append(name)
+        if runs.held == 0:
+            layouts.append(strided_layout(0, [n_rows, ncols], rows=(0, 0), cols=(0, 0)))
+            continue
+        params = np.unique(runs.param)
+        if len(params) != 1:
+            raise LayoutError(f"{name}: elements go to {len(params)} parameters; the fused apply needs one "
+                              "parameter per checkpoint tensor (use apply_mapped_delta per run)")
+        ckpt = np.concatenate([np.arange(s, s + n) for s, n in zip(runs.ckpt_start, runs.length, strict=True)])
+        pos = np.concatenate([np.arange(s, s + n) for s, n in zip(runs.param_start, runs.length, strict=True)])
+        r, c = ckpt // ncols, ckpt % ncols
+        held_rows, held_cols = np.unique(r), np.unique(c)
+        if len(ckpt) != len(held_rows) * len(held_cols):
+            raise LayoutError(f"{name}: the held elements are not a product of rows and columns")
+        row_tab = np.full(n_rows, -1, dtype=np.int64)
+        col_tab = np.full(ncols, -1, dtype=np.int64)
+        first_row = r == held_rows[0]
+        col_tab[c[first_row]] = pos[first_row]
+        first_col = c == held_cols[0]
+        row_tab[r[first_col]] = pos[first_col] - col_tab[held_cols[0]]
+        if not np.array_equal(row_tab[r] + col_tab[c], pos):
+            raise LayoutError(f"{name}: positions are not rows[r] + cols[c]; the layout needs a per-element map")
+        layouts.append(table_layout(int(params[0]), ncols, torch.from_numpy(row_tab), torch.from_numpy(col_tab)))
+    return names, layouts
+
+
+@dataclass
+class ApplyResult:
+    """Per delta entry: running-checksum change (int64 bits, mod 2**64) and changes written; on the device."""
+
+    checksum_E: torch.Tensor
+    written_E: torch.Tensor
+
+    def checksums(self) -> list[int]:
+        return [int(v) & MASK64 for v in self.checksum_E.tolist()]
+
+    def written(self) -> list[int]:
+        return [int(v) for v in self.written_E.tolist()]
+
+
+class ApplyPlan:
+    """Device tables of one index map for the fused apply kernel; built, and its kernel compiled, once.
+
+    ``params``: this worker's parameters (patched in place through wire-bit views). ``layouts[t]``:
+    where checkpoint tensor ``t`` lives (:func:`strided_layout`, :func:`table_layout`). The first
+    call of the kernel happens here, so no delta compiles it inside the engine pause.
+    """
+
+    def __init__(self, params: list[torch.Tensor], layouts: list[dict], backend: str = "auto"):
+        if not params:
+            raise KernelError("ApplyPlan needs at least one parameter")
+        self.device = params[0].device
+        self.targets = [as_bits(p.data if isinstance(p, torch.nn.Parameter) else p) for p in params]
+        self.layouts = layouts
+        self.triton = _use_triton(self.device, backend)
+        widths = [_WIDTH_OF_BITS[t.dtype] for t in self.targets]
+        self.widths = sorted({widths[lay["target"]] for lay in layouts}) or [16]
+        rows, tables, cursor = [], [], 0
+        for t, lay in enumerate(layouts):
+            if not 0 <= lay["target"] < len(self.targets):
+                raise KernelError(f"layout {t}: target {lay['target']} outside the {len(self.targets)} parameters")
+            row_tab = col_tab = -1
+            if lay.get("row_table") is not None:
+                rt, ct = lay["row_table"].reshape(-1), lay["col_table"].reshape(-1)
+                if ct.numel() != lay["ncols"]:
+                    raise KernelError(f"layout {t}: column table has {ct.numel()} entries for {lay['ncols']} columns")
+                row_tab, col_tab = cursor, cursor + rt.numel()
+                tables += [rt, ct]
+                cursor += rt.numel() + ct.numel()
+            rows.append([lay["target"], lay["ncols"], lay["base"], lay["row_stride"], lay["col_stride"],
+                         *lay["row_window"], *lay["col_window"], row_tab, col_tab, widths[lay["target"]]])
+        self.layout_T = torch.tensor(rows, dtype=torch.int64, device=self.device).reshape(-1, 12)
+        self.tables = (torch.cat(tables).to(self.device) if tables
+                       else torch.zeros(1, dtype=torch.int64, device=self.device))
+        self.addresses = torch.tensor([t.data_ptr() for t in self.targets], dtype=torch.int64, device=self.device)
+        if self.triton:
+            for width in self.widths:  # compile now, outside any pause
+                for add in (True, False):
+                    empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+                    self._launch(torch.zeros(1, dtype=torch.int64, device=self.device), empty,
+                                 torch.zeros(0, dtype=torch.int32, device=self.device), empty, empty, width, add)
+
+    def _launch(self, offsets, entry_tensor, val, idx, out_pair, width, add):
+        checksum_E = torch.zeros(max(1, entry_tensor.numel()), dtype=torch.int64, device=self.device)
+        written_E = torch.zeros_like(checksum_E)
+        _triton().apply_deltas_launch(idx, val, offsets, entry_tensor, self.layout_T, self.tables, self.addresses,
+                                      checksum_E, written_E, width, add)
+        return checksum_E, written_E
+
+    def apply(self, entry_tensor_E: torch.Tensor, entry_offsets_E1: torch.Tensor, idx_C: torch.Tensor,
+              val_C: torch.Tensor, add: bool = True) -> ApplyResult:
+        """Patch one delta in place (see ``apply_deltas_ref``); returns per-entry checksum change and count."""
+        if entry_offsets_E1.numel() != entry_tensor_E.numel() + 1:
+            raise KernelError(f"entry_offsets needs {entry_tensor_E.numel() + 1} values (entries + 1), "
+                              f"got {entry_offsets_E1.numel()}")
+        if idx_C.numel() != val_C.numel():
+            raise KernelError(f"{idx_C.numel()} indices but {val_C.numel()} values")
+        if not self.triton:
+            sums, written = apply_deltas_ref(self.targets, self.layouts, entry_tensor_E, entry_offsets_E1, idx_C,
+                                             val_C, add)
+            signed = [s - (1 << 64) if s >= 1 << 63 else s for s in sums]
+            return ApplyResult(torch.tensor(signed, dtype=torch.int64), torch.tensor(written, dtype=torch.int64))
+        dev = self.device
+        entry_tensor_E = entry_tensor_E.to(dev, torch.int64)
+        entry_offsets_E1 = entry_offsets_E1.to(dev, torch.int64)
+        idx_C, val_C = idx_C.to(dev), val_C.to(dev)
+        n_entries = entry_tensor_E.numel()
+        checksum_E = torch.zeros(n_entries, dtype=torch.int64, device=dev)
+        written_E = torch.zeros(n_entries, dtype=torch.int64, device=dev)
+        if n_entries:
+            for width in self.widths:
+                c, w = self._launch(entry_offsets_E1, entry_tensor_E, val_C, idx_C, None, width, add)
+                checksum_E += c[:n_entries]
+                written_E += w[:n_entries]
+        return ApplyResult(checksum_E, written_E)
+
+
+def apply_deltas(plan: ApplyPlan, entry_tensor_E: torch.Tensor, entry_offsets_E1: torch.Tensor,
+                 idx_C: torch.Tensor, val_C: torch.Tensor, add: bool = True) -> ApplyResult:
+    """Fused multi-tensor apply through a prebuilt plan (the function form of :meth:`ApplyPlan.apply`)."""
+    return plan.apply(entry_tensor_E, entry_offsets_E1, idx_C, val_C, add)
+
+
+def apply_mapped_delta(target_bits_N: torch.Tensor, pos_C: torch.Tensor, diff_C: torch.Tensor,
+                       ckpt_idx_C: torch.Tensor, backend: str = "auto") -> int:
+    """Kernel form of :func:`rltune.sync.ops.apply_mapped_delta_ref` (same signature; a receiver ``apply_fn``)."""
+    from rltune.sync.ops import apply_mapped_delta_ref  # ops imports this package's reference module
+
+    target_bits_N = target_bits_N.reshape(-1)
+    if not _use_triton(target_bits_N.device, backend):
+        return apply_mapped_delta_ref(target_bits_N, pos_C, diff_C, ckpt_idx_C)
+    if pos_C.numel() == 0:
+        return 0
+    dev = target_bits_N.device
+    partial_P = _triton().apply_positions_launch(target_bits_N, pos_C.to(dev), diff_C.to(dev), ckpt_idx_C.to(dev),
+                                                 _MASK_OF_BITS[target_bits_N.dtype])
+    return int(partial_P.sum()) & MASK64
+
+
+__all__ = [
+    "ApplyPlan",
+    "ApplyResult",
+    "ChangeCapacityError",
+    "ChangeSink",
+    "ChunkChanges",
+    "KernelBackendError",
+    "KernelError",
+    "LayoutError",
+    "apply_deltas",
+    "apply_mapped_delta",
+    "bits_dtype",
+    "checksum",
+    "checksums",
+    "diff_extract",
+    "layouts_from_index_map",
+    "strided_layout",
+    "table_layout",
+]

@@ -119,13 +119,104 @@ def apply_delta_ref(target_bits_N: torch.Tensor, idx_C: torch.Tensor, new_bits_C
     return checksum_update_ref(idx_C, old_bits_C, new_bits_C.to(target_bits_N.dtype))
 
 
+def diff_extract_ref(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor,
+                     offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Oracle of the diff/extract kernel: changed elements of a chunk and the checksum change they make.
+
+    The chunk holds elements ``[offset, offset + N)`` of its tensor. Returns ``(idx_C, new_C, old_C,
+    checksum_change)``: absolute indices (int64, ascending), the new and old wire bits of those
+    elements (as int32 unsigned bit patterns, the width every kernel output uses) and
+    ``sum (idx + 1) * (u_new - u_old) mod 2**64``.
+    """
+    local_C, new_C = diff_ref(old_bits_N, new_bits_N)
+    old_C = old_bits_N.reshape(-1)[local_C]
+    idx_C = local_C + offset
+    change = checksum_update_ref(idx_C, old_C, new_C)
+    return idx_C, unsigned(new_C).to(torch.int32), unsigned(old_C).to(torch.int32), change
+
+
+def wrapping_add_bits(old_bits: torch.Tensor, diff: torch.Tensor) -> torch.Tensor:
+    """``(u_old + diff) mod 2**width`` in ``old_bits``'s dtype: the add-mode patch of one element."""
+    width = {torch.int16: 16, torch.int32: 32, torch.uint8: 8}[old_bits.dtype]
+    u = (unsigned(old_bits) + diff.to(torch.int64)) & ((1 << width) - 1)
+    if old_bits.dtype != torch.uint8:
+        u = torch.where(u >= (1 << (width - 1)), u - (1 << width), u)
+    return u.to(old_bits.dtype)
+
+
+def map_positions_ref(idx_C: torch.Tensor, ncols: int, base: int, row_stride: int, col_stride: int,
+                      row_window: tuple[int, int], col_window: tuple[int, int],
+                      row_table: torch.Tensor | None = None,
+                      col_table: torch.Tensor | None = None) -> torch.Tensor:
+    """Target position of each checkpoint element, -1 where this worker does not hold it.
+
+    Element ``i`` is at row ``r = i // ncols`` and column ``c = i % ncols`` of its checkpoint tensor.
+    With strides it lives at ``base + r * row_stride + c * col_stride`` when ``r`` and ``c`` are inside
+    the held windows; with offset tables (one int64 per row / per column, -1 = not held) at
+    ``base + row_table[r] + col_table[c]``.
+    """
+    idx_C = idx_C.to(torch.int64)
+    r, c = idx_C // ncols, idx_C % ncols
+    if row_table is not None:
+        rt, ct = row_table.to(idx_C.device)[r], col_table.to(idx_C.device)[c]
+        return torch.where((rt >= 0) & (ct >= 0), base + rt + ct, torch.full_like(idx_C, -1))
+    held = (r >= row_window[0]) & (r < row_window[1]) & (c >= col_window[0]) & (c < col_window[1])
+    return torch.where(held, base + r * row_stride + c * col_stride, torch.full_like(idx_C, -1))
+
+
+def apply_deltas_ref(targets: list[torch.Tensor], layouts: list[dict], entry_tensor_E: torch.Tensor,
+                     entry_offsets_E1: torch.Tensor, idx_C: torch.Tensor, val_C: torch.Tensor,
+                     add: bool) -> tuple[list[int], list[int]]:
+    """Oracle of the fused apply kernel: patch a whole multi-tensor delta in place.
+
+    ``targets``: flat bits views of the worker's parameters. ``layouts[t]``: how checkpoint tensor
+    ``t`` maps into them, a dict with ``target`` (index into ``targets``) and the keyword arguments
+    of :func:`map_positions_ref`. The delta has E entries; entry ``e`` carries changes
+    ``[entry_offsets_E1[e], entry_offsets_E1[e + 1])`` of checkpoint tensor ``entry_tensor_E[e]``:
+    checkpoint indices ``idx_C`` (unique within an entry) and values ``val_C`` (new bits, or with
+    ``add`` the wrapped difference to add). Changes this worker does not hold are skipped.
+
+    Returns per entry the running-checksum change (position weights ``idx + 1`` of the checkpoint
+    tensor) and the number of changes written.
+    """
+    checksums, written = [], []
+    offsets = entry_offsets_E1.tolist()
+    for e, t in enumerate(entry_tensor_E.tolist()):
+        lay = layouts[t]
+        sl = slice(offsets[e], offsets[e + 1])
+        idx = idx_C[sl].to(torch.int64)
+        target = targets[lay["target"]]
+        kwargs = {k: v for k, v in lay.items() if k != "target"}
+        pos = map_positions_ref(idx, **kwargs).to(target.device)
+        held = pos >= 0
+        pos, idx, val = pos[held], idx[held.to(idx.device)], val_C[sl][held.to(val_C.device)].to(target.device)
+        old = target[pos]
+        new = wrapping_add_bits(old, val) if add else unsigned(val).to(target.dtype) if target.dtype == torch.uint8 \
+            else _signed_bits(val, target.dtype)
+        target[pos] = new
+        checksums.append(checksum_update_ref(idx.to(target.device), old, new))
+        written.append(int(pos.numel()))
+    return checksums, written
+
+
+def _signed_bits(val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # New bits may arrive as unsigned patterns in a wider int; wrap them into the signed view.
+    width = {torch.int16: 16, torch.int32: 32}[dtype]
+    u = val.to(torch.int64) & ((1 << width) - 1)
+    return torch.where(u >= (1 << (width - 1)), u - (1 << width), u).to(dtype)
+
+
 __all__ = [
     "MASK64",
     "apply_delta_ref",
+    "apply_deltas_ref",
     "as_bits",
     "bits_dtype",
     "checksum_ref",
     "checksum_update_ref",
+    "diff_extract_ref",
     "diff_ref",
+    "map_positions_ref",
     "unsigned",
+    "wrapping_add_bits",
 ]

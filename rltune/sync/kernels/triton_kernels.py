@@ -1,0 +1,301 @@
+"""Triton kernels of weight sync: full checksum, diff/extract, fused multi-tensor apply, positional apply.
+
+Each kernel has its torch oracle in :mod:`rltune.sync.kernels.reference` and is compared with it
+bit for bit. Call them through :mod:`rltune.sync.kernels` (dispatch, argument checks); the launch
+helpers here assume checked arguments.
+
+Legend of shape suffixes: ``_N`` one per element of a flat tensor (chunk), ``_C`` one per change,
+``_E`` one per delta entry, ``_P`` one per program (grid block).
+
+Conventions every kernel keeps:
+
+- Wire bits are read through a signed integer view and masked to their unsigned value
+  (``MASK`` = 0xFF, 0xFFFF or 0xFFFFFFFF); checksums are int64 arithmetic, whose wrap-around is
+  exactly the checksum's ring (mod 2**64), so atomics and partial sums in any order give the same
+  bits as the reference.
+- Sizes, offsets and counts are ``tl.int64`` parameters listed in ``do_not_specialize``: one compile
+  per dtype/width, never one per delta, chunk or size (a recompile inside the engine pause took
+  0.7-2 s in the seed's runs).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+# Elements per checksum program: BLOCK lanes x TILES tiles. With 16-bit elements the per-lane
+# accumulators sum_t u (<= TILES * 2^16) and sum_t t * u (<= 2^16 * TILES^2 / 2) stay below 2^31
+# for TILES <= 128, so the inner loop is int32 only.
+CHECKSUM_BLOCK = 1024
+CHECKSUM_TILES = 32
+
+DIFF_BLOCK = 2048
+DIFF_COPY = 256
+APPLY_BLOCK = 1024
+
+# Columns of the per-checkpoint-tensor layout table used by the fused apply kernel.
+LAYOUT_FIELDS = ("target", "ncols", "base", "row_stride", "col_stride", "row_lo", "row_hi", "col_lo", "col_hi",
+                 "row_table", "col_table", "width")
+LAYOUT_COLUMNS = len(LAYOUT_FIELDS)
+
+
+
+# ------------------------------------------------------------------------------------------ checksum
+
+
+@triton.jit(do_not_specialize=["n", "offset"])
+def _checksum_kernel(bits_ptr, partial_P_ptr, n: tl.int64, offset: tl.int64, MASK: tl.constexpr,
+                     BLOCK: tl.constexpr, TILES: tl.constexpr):
+    pid = tl.program_id(0)
+    base = pid.to(tl.int64) * (BLOCK * TILES)
+    lane = tl.arange(0, BLOCK)
+    left = n - base
+    ptr = bits_ptr + base
+    if MASK <= 0xFFFF:
+        # weight of element (t, j) = (offset + base + 1) + t * BLOCK + j
+        acc_u = tl.zeros([BLOCK], dtype=tl.int32)
+        acc_tu = tl.zeros([BLOCK], dtype=tl.int32)
+        for t in range(TILES):
+            offs = t * BLOCK + lane
+            u = tl.load(ptr + offs, mask=offs < left, other=0).to(tl.int32) & MASK
+            acc_u += u
+            acc_tu += t * u
+        acc_u64 = acc_u.to(tl.int64)
+        total = (offset + base + 1) * tl.sum(acc_u64, axis=0) + BLOCK * tl.sum(acc_tu.to(tl.int64), axis=0) \
+            + tl.sum(lane.to(tl.int64) * acc_u64, axis=0)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.int64)
+        for t in range(TILES):
+            offs = t * BLOCK + lane
+            u = tl.load(ptr + offs, mask=offs < left, other=0).to(tl.int64) & MASK
+            acc += (offset + base + 1 + offs) * u
+        total = tl.sum(acc, axis=0)
+    tl.store(partial_P_ptr + pid, total)
+
+
+def checksum_partials(bits_N: torch.Tensor, offset: int, mask: int) -> torch.Tensor:
+    """Per-program partial checksums (int64, on the tensor's device); their wrapped sum is the checksum."""
+    n = bits_N.numel()
+    per_program = CHECKSUM_BLOCK * CHECKSUM_TILES
+    programs = max(1, triton.cdiv(n, per_program))
+    partial_P = torch.empty(programs, dtype=torch.int64, device=bits_N.device)
+    _checksum_kernel[(programs,)](bits_N, partial_P, n, offset, MASK=mask, BLOCK=CHECKSUM_BLOCK,
+                                  TILES=CHECKSUM_TILES, num_warps=4)
+    return partial_P
+
+
+# ------------------------------------------------------------------------------------- diff/extract
+
+
+@triton.jit(do_not_specialize=["n", "offset"])
+def _diff_compact_kernel(old_ptr, new_ptr, n: tl.int64, offset: tl.int64, scratch_idx_ptr, scratch_new_ptr,
+                         scratch_old_ptr, count_P_ptr, checksum_P_ptr, MASK: tl.constexpr, BLOCK: tl.constexpr):
+    # Pass 1: each program compacts its block's changes, in index order, into its own scratch region
+    # [pid * BLOCK, pid * BLOCK + count), and writes its count and checksum change.
+    pid = tl.program_id(0)
+    base = pid.to(tl.int64) * BLOCK
+    lane = tl.arange(0, BLOCK)
+    valid = lane < n - base
+    old = tl.load(old_ptr + base + lane, mask=valid, other=0)
+    new = tl.load(new_ptr + base + lane, mask=valid, other=0)
+    changed = (old != new) & valid
+    changed_i = changed.to(tl.int32)
+    rank = tl.cumsum(changed_i, axis=0) - changed_i
+    count = tl.sum(changed_i, axis=0)
+    dst = base + rank
+    tl.store(scratch_idx_ptr + dst, (base + lane).to(tl.int32), mask=changed)
+    tl.store(scratch_new_ptr + dst, new, mask=changed)
+    tl.store(scratch_old_ptr + dst, old, mask=changed)
+    tl.store(count_P_ptr + pid, count)
+    # sum (offset + base + lane + 1) * d = (offset + base + 1) * sum d + sum lane * d; d = 0 where unchanged
+    if MASK <= 0xFFFF:
+        d = (new.to(tl.int32) & MASK) - (old.to(tl.int32) & MASK)
+        total = (offset + base + 1) * tl.sum(d.to(tl.int64), axis=0) + tl.sum((lane * d).to(tl.int64), axis=0)
+    else:
+        d = (new.to(tl.int64) & MASK) - (old.to(tl.int64) & MASK)
+        total = tl.sum((offset + base + 1 + lane) * d, axis=0)
+    tl.store(checksum_P_ptr + pid, total)
+
+
+@triton.jit(do_not_specialize=["offset", "chunk", "capacity", "programs"])
+def _diff_gather_kernel(scratch_idx_ptr, scratch_new_ptr, scratch_old_ptr, count_P_ptr, inclusive_P_ptr,
+                        chunk_start_ptr, chunk: tl.int64, offset: tl.int64, out_idx_ptr, out_new_ptr, out_old_ptr,
+                        capacity: tl.int64, programs: tl.int64, MASK: tl.constexpr, BLOCK: tl.constexpr,
+                        COPY: tl.constexpr):
+    # Pass 2: move each program's compacted changes to out[start + exclusive prefix, ...), where start
+    # is where this chunk begins in the output (written by the previous chunk's pass 2, on device).
+    pid = tl.program_id(0)
+    count = tl.load(count_P_ptr + pid)
+    inclusive = tl.load(inclusive_P_ptr + pid)
+    start = tl.load(chunk_start_ptr + chunk)
+    dst0 = start + inclusive - count
+    src0 = pid.to(tl.int64) * BLOCK
+    copy_lane = tl.arange(0, COPY)
+    for k in range(0, count, COPY):
+        j = k + copy_lane
+        inside = j < count
+        dst = dst0 + j
+        fits = inside & (dst < capacity)
+        local = tl.load(scratch_idx_ptr + src0 + j, mask=inside, other=0)
+        new = tl.load(scratch_new_ptr + src0 + j, mask=inside, other=0)
+        old = tl.load(scratch_old_ptr + src0 + j, mask=inside, other=0)
+        tl.store(out_idx_ptr + dst, local.to(tl.int64) + offset, mask=fits)
+        if MASK <= 0xFFFF:
+            new = new.to(tl.int32) & MASK
+            old = old.to(tl.int32) & MASK
+        tl.store(out_new_ptr + dst, new.to(tl.int32), mask=fits)
+        tl.store(out_old_ptr + dst, old.to(tl.int32), mask=fits)
+    if pid == programs - 1:
+        tl.store(chunk_start_ptr + chunk + 1, start + inclusive)
+
+
+def diff_programs(n: int) -> int:
+    return max(1, triton.cdiv(n, DIFF_BLOCK))
+
+
+def diff_extract_launch(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int, mask: int,
+                        scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                        chunk_start: torch.Tensor, chunk: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                        capacity: int) -> torch.Tensor:
+    """Both passes; writes ``chunk_start[chunk + 1]`` on device; returns the per-program checksum partials."""
+    n = old_bits_N.numel()
+    programs = diff_programs(n)
+    s_idx, s_new, s_old, count_P, checksum_P = scratch
+    _diff_compact_kernel[(programs,)](old_bits_N, new_bits_N, n, offset, s_idx, s_new, s_old, count_P, checksum_P,
+                                      MASK=mask, BLOCK=DIFF_BLOCK, num_warps=8)
+    inclusive_P = torch.cumsum(count_P[:programs], dim=0, dtype=torch.int64)
+    _diff_gather_kernel[(programs,)](s_idx, s_new, s_old, count_P, inclusive_P, chunk_start, chunk, offset,
+                                     out[0], out[1], out[2], capacity, programs, MASK=mask, BLOCK=DIFF_BLOCK,
+                                     COPY=DIFF_COPY, num_warps=4)
+    return checksum_P[:programs]
+
+
+# --------------------------------------------------------------------------------------- fused apply
+
+
+@triton.jit(do_not_specialize=["n_changes", "n_entries", "search_steps"])
+def _apply_deltas_kernel(idx_C_ptr, val_C_ptr, n_changes: tl.int64, entry_offsets_ptr, entry_tensor_ptr,
+                         n_entries: tl.int64, search_steps: tl.int32, layout_ptr, table_ptr, address_ptr,
+                         checksum_E_ptr, written_E_ptr, WIDTH: tl.constexpr, ADD: tl.constexpr,
+                         COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    j = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = j < n_changes
+    # entry of each change: largest e with entry_offsets[e] <= j (binary search, invariant lo <= e < hi)
+    lo = tl.zeros([BLOCK], dtype=tl.int64)
+    hi = tl.zeros([BLOCK], dtype=tl.int64) + n_entries
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        go_right = tl.load(entry_offsets_ptr + mid, mask=live, other=0) <= j
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    entry = lo
+    row = tl.load(entry_tensor_ptr + entry, mask=live, other=0) * COLUMNS
+    target = tl.load(layout_ptr + row + 0, mask=live, other=0)
+    ncols = tl.load(layout_ptr + row + 1, mask=live, other=1)
+    base = tl.load(layout_ptr + row + 2, mask=live, other=0)
+    row_table = tl.load(layout_ptr + row + 9, mask=live, other=-1)
+    col_table = tl.load(layout_ptr + row + 10, mask=live, other=-1)
+    width = tl.load(layout_ptr + row + 11, mask=live, other=0)
+    idx = tl.load(idx_C_ptr + j, mask=live, other=0).to(tl.int64)
+    r = idx // ncols
+    c = idx - r * ncols
+    tabled = row_table >= 0
+    strided = live & (row_table < 0)
+    # strides: base + r * row_stride + c * col_stride inside the held window
+    row_stride = tl.load(layout_ptr + row + 3, mask=strided, other=0)
+    col_stride = tl.load(layout_ptr + row + 4, mask=strided, other=0)
+    row_lo = tl.load(layout_ptr + row + 5, mask=strided, other=0)
+    row_hi = tl.load(layout_ptr + row + 6, mask=strided, other=0)
+    col_lo = tl.load(layout_ptr + row + 7, mask=strided, other=0)
+    col_hi = tl.load(layout_ptr + row + 8, mask=strided, other=0)
+    held_strided = (r >= row_lo) & (r < row_hi) & (c >= col_lo) & (c < col_hi)
+    # tables: base + rows[r] + cols[c], -1 = not held
+    row_off = tl.load(table_ptr + row_table + r, mask=live & tabled, other=-1)
+    col_off = tl.load(table_ptr + col_table + c, mask=live & tabled, other=-1)
+    held_tabled = (row_off >= 0) & (col_off >= 0)
+    pos = tl.where(tabled, base + row_off + col_off, base + r * row_stride + c * col_stride)
+    held = live & (width == WIDTH) & tl.where(tabled, held_tabled, held_strided)
+    address = tl.load(address_ptr + target, mask=held, other=0)
+    if WIDTH == 8:
+        ptr = address.to(tl.pointer_type(tl.uint8)) + pos
+    elif WIDTH == 16:
+        ptr = address.to(tl.pointer_type(tl.int16)) + pos
+    else:
+        ptr = address.to(tl.pointer_type(tl.int32)) + pos
+    old = tl.load(ptr, mask=held, other=0)
+    val = tl.load(val_C_ptr + j, mask=held, other=0)
+    mask_bits = (1 << WIDTH) - 1
+    u_old = old.to(tl.int64) & mask_bits
+    if ADD:
+        u_new = (u_old + val.to(tl.int64)) & mask_bits
+    else:
+        u_new = val.to(tl.int64) & mask_bits
+    tl.store(ptr, u_new.to(old.dtype), mask=held)
+    contribution = tl.where(held, (idx + 1) * (u_new - u_old), 0)
+    written = held.to(tl.int64)
+    # per-entry reduction: one atomic for the block's first entry, one per change for any other entry
+    first = tl.min(tl.where(live, entry, n_entries), axis=0)
+    in_first = live & (entry == first)
+    tl.atomic_add(checksum_E_ptr + first, tl.sum(tl.where(in_first, contribution, 0), axis=0))
+    tl.atomic_add(written_E_ptr + first, tl.sum(tl.where(in_first, written, 0), axis=0))
+    others = live & (entry != first)
+    tl.atomic_add(checksum_E_ptr + entry, contribution, mask=others)
+    tl.atomic_add(written_E_ptr + entry, written, mask=others)
+
+
+def apply_deltas_launch(idx_C: torch.Tensor, val_C: torch.Tensor, entry_offsets_E1: torch.Tensor,
+                        entry_tensor_E: torch.Tensor, layout: torch.Tensor, tables: torch.Tensor,
+                        addresses: torch.Tensor, checksum_E: torch.Tensor, written_E: torch.Tensor, width: int,
+                        add: bool) -> None:
+    n_changes = idx_C.numel()
+    n_entries = entry_tensor_E.numel()
+    steps = max(1, int(n_entries).bit_length())
+    programs = max(1, triton.cdiv(n_changes, APPLY_BLOCK))
+    _apply_deltas_kernel[(programs,)](idx_C, val_C, n_changes, entry_offsets_E1, entry_tensor_E, n_entries, steps,
+                                      layout, tables, addresses, checksum_E, written_E, WIDTH=width, ADD=add,
+                                      COLUMNS=LAYOUT_COLUMNS, BLOCK=APPLY_BLOCK, num_warps=4)
+
+
+# ---------------------------------------------------------------------------------- positional apply
+
+
+@triton.jit(do_not_specialize=["n_changes"])
+def _apply_positions_kernel(target_ptr, pos_C_ptr, diff_C_ptr, ckpt_idx_C_ptr, n_changes: tl.int64,
+                            partial_P_ptr, MASK: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    j = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = j < n_changes
+    pos = tl.load(pos_C_ptr + j, mask=live, other=0)
+    old = tl.load(target_ptr + pos, mask=live, other=0)
+    u_old = old.to(tl.int64) & MASK
+    u_new = (u_old + tl.load(diff_C_ptr + j, mask=live, other=0).to(tl.int64)) & MASK
+    tl.store(target_ptr + pos, u_new.to(old.dtype), mask=live)
+    weight = tl.load(ckpt_idx_C_ptr + j, mask=live, other=0).to(tl.int64) + 1
+    tl.store(partial_P_ptr + pid, tl.sum(tl.where(live, weight * (u_new - u_old), 0), axis=0))
+
+
+def apply_positions_launch(target_bits_N: torch.Tensor, pos_C: torch.Tensor, diff_C: torch.Tensor,
+                           ckpt_idx_C: torch.Tensor, mask: int) -> torch.Tensor:
+    n = pos_C.numel()
+    programs = max(1, triton.cdiv(n, APPLY_BLOCK))
+    partial_P = torch.empty(programs, dtype=torch.int64, device=target_bits_N.device)
+    _apply_positions_kernel[(programs,)](target_bits_N, pos_C, diff_C, ckpt_idx_C, n, partial_P, MASK=mask,
+                                         BLOCK=APPLY_BLOCK, num_warps=4)
+    return partial_P
+
+
+KERNELS = {
+    "checksum": _checksum_kernel,
+    "diff_compact": _diff_compact_kernel,
+    "diff_gather": _diff_gather_kernel,
+    "apply_deltas": _apply_deltas_kernel,
+    "apply_positions": _apply_positions_kernel,
+}
+
+
+def compiled_variants(kernel) -> int:
+    """How many compiled variants a JIT kernel holds (all devices); 0 under the interpreter."""
+    caches = getattr(kernel, "device_caches", None)
+    if not caches:
+        return 0
+    return sum(len(entry[0]) for entry in caches.values())

@@ -1,0 +1,214 @@
+"""Triton sync kernels against their torch references, bit for bit (torch.equal).
+
+On a CPU machine the kernels run under TRITON_INTERPRET=1 at small sizes; the ``gpu`` tests run
+them at real sizes on CUDA. Every case checks the reference changed something, so no pass is vacuous.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from rltune.sync import kernels as K  # noqa: E402
+from rltune.sync.kernels import reference as R  # noqa: E402
+from rltune.sync.ops import apply_mapped_delta_ref, wire_diff  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+AWKWARD_SIZES = [0, 1, 127, 129, 4097, 2048 * 3 + 5]
+BITS = {16: torch.int16, 32: torch.int32, 8: torch.uint8}
+
+
+def random_bits(n: int, width: int, seed: int, device: str = DEVICE) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (0, 256) if width == 8 else (-(1 << (width - 1)), (1 << (width - 1)) - 1)
+    return torch.randint(lo, hi, (n,), dtype=BITS[width], generator=g).to(device)
+
+
+def perturb(bits: torch.Tensor, fraction: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    changed = (torch.rand(bits.numel(), generator=g) < fraction).to(bits.device)
+    out = bits.clone()
+    out[changed] = (out[changed].to(torch.int64) + 1 + seed).to(bits.dtype)
+    return out
+
+
+@pytest.mark.parametrize("width", [16, 32, 8])
+@pytest.mark.parametrize("n", AWKWARD_SIZES)
+def test_checksum_kernel_equals_reference(n, width):
+    bits = random_bits(n, width, seed=n + width)
+    for offset in (0, 3, (1 << 40) + 7):
+        got = K.checksum(bits, offset=offset, backend="triton")
+        assert got == R.checksum_ref(bits.cpu(), offset)
+    if n:
+        assert R.checksum_ref(bits.cpu()) != 0, "reference is zero"
+
+
+def test_checksum_of_a_float_tensor_uses_its_wire_bits():
+    t = torch.randn(3000, dtype=torch.bfloat16).to(DEVICE)
+    assert K.checksum(t, backend="triton") == R.checksum_ref(R.as_bits(t.cpu()))
+    assert K.checksums([t, t[:5].clone()], backend="triton") == [R.checksum_ref(R.as_bits(t.cpu())),
+                                                                 R.checksum_ref(R.as_bits(t[:5].cpu()))]
+
+
+def test_checksum_all_ones_at_the_int32_accumulator_limit():
+    # every lane of every tile at the maximum value: the int32 per-lane sums are at their largest
+    bits = torch.full((1024 * 32 * 2 + 3,), -1, dtype=torch.int16, device=DEVICE)
+    assert K.checksum(bits, offset=(1 << 31) - 5, backend="triton") == R.checksum_ref(bits.cpu(), (1 << 31) - 5)
+
+
+@pytest.mark.parametrize("width", [16, 32, 8])
+@pytest.mark.parametrize("n", AWKWARD_SIZES)
+def test_diff_extract_kernel_equals_reference(n, width):
+    old = random_bits(n, width, seed=n)
+    new = perturb(old, 0.05, seed=1)
+    offset = (1 << 33) + 11
+    got = K.diff_extract(old, new, offset=offset, backend="triton")
+    want = R.diff_extract_ref(old.cpu(), new.cpu(), offset)
+    for g, w in zip(got[:3], want[:3], strict=True):
+        assert torch.equal(g.cpu(), w)
+    assert got[3] == want[3]
+
+
+def test_diff_extract_every_element_changed_and_none_changed():
+    old = random_bits(5000, 16, seed=3)
+    new = (old.to(torch.int32) ^ 1).to(torch.int16)
+    idx, new_c, old_c, change = K.diff_extract(old, new, backend="triton")
+    assert torch.equal(idx.cpu(), torch.arange(5000))
+    assert change == R.checksum_update_ref(torch.arange(5000), old.cpu(), new.cpu())
+    idx, _, _, change = K.diff_extract(old, old.clone(), backend="triton")
+    assert idx.numel() == 0 and change == 0
+
+
+def test_change_sink_appends_chunks_in_order_and_checks_capacity():
+    sink = K.ChangeSink(capacity=400, max_chunk_elements=3000, max_chunks=4, device=DEVICE, backend="triton")
+    olds = [random_bits(n, 16, seed=n) for n in (3000, 1, 2500)]
+    news = [perturb(o, 0.04, seed=i + 2) for i, o in enumerate(olds)]
+    news[1] = (olds[1] + 1).to(torch.int16)
+    for k, (o, w) in enumerate(zip(olds, news, strict=True)):
+        sink.append(o, w, offset=1000 * k, key=f"t{k}")
+    sink.finish()
+    chunks = sink.collect()
+    assert [c.key for c in chunks] == ["t0", "t1", "t2"]
+    for k, (c, o, w) in enumerate(zip(chunks, olds, news, strict=True)):
+        want = R.diff_extract_ref(o.cpu(), w.cpu(), 1000 * k)
+        assert torch.equal(c.idx_C, want[0]) and torch.equal(c.new_C, want[1]) and torch.equal(c.old_C, want[2])
+        assert c.checksum_change == want[3]
+    assert chunks[1].idx_C.numel() == 1
+    sink.reset()
+    full = random_bits(3000, 16, seed=9)
+    sink.append(full, (full ^ 1).to(torch.int16), offset=0, key="big")
+    sink.finish()
+    with pytest.raises(K.ChangeCapacityError, match="full checkpoint"):
+        sink.collect()
+
+
+def _delta(layout_rows: int, ncols: int, entries: list[int], fraction: float, seed: int, width: int):
+    g = torch.Generator().manual_seed(seed)
+    idx_parts, offsets = [], [0]
+    for _ in entries:
+        chosen = torch.nonzero(torch.rand(layout_rows * ncols, generator=g) < fraction).reshape(-1)
+        idx_parts.append(chosen)
+        offsets.append(offsets[-1] + chosen.numel())
+    idx = torch.cat(idx_parts)
+    val = random_bits(idx.numel(), 32 if width == 32 else 16, seed=seed + 1, device="cpu").to(torch.int32)
+    return torch.tensor(entries), torch.tensor(offsets), idx, val
+
+
+@pytest.mark.parametrize("add", [True, False])
+def test_fused_apply_equals_reference_with_strides_tables_and_mixed_widths(add):
+    rows, ncols = 40, 33
+    params = [random_bits(rows * ncols, 16, seed=1), random_bits(2 * rows * ncols + 10, 16, seed=2),
+              random_bits(rows * ncols, 32, seed=3), random_bits(rows * 20, 16, seed=4)]
+    g = torch.Generator().manual_seed(5)
+    shuffled_rows = torch.randperm(rows, generator=g) * ncols
+    cols = torch.arange(ncols)
+    col_slice = torch.full((ncols,), -1, dtype=torch.int64)
+    col_slice[5:25] = torch.arange(20)  # this worker holds columns 5..24 of a row-parallel layer
+    layouts = [
+        K.strided_layout(0, [rows, ncols]),                                       # identity
+        K.strided_layout(1, [rows, ncols], base=10 + rows * ncols),               # second half of a fused param
+        K.strided_layout(1, [rows, ncols], base=10 - 8 * ncols, rows=(8, 30)),    # row slice into first half
+        K.strided_layout(2, [rows, ncols]),                                       # fp32
+        K.table_layout(0, ncols, shuffled_rows, cols),                            # shuffled rows
+        K.table_layout(3, ncols, torch.arange(rows) * 20, col_slice),             # column slice
+    ]
+    entries = [0, 1, 2, 3, 5]
+    entry_tensor, offsets, idx, val = _delta(rows, ncols, entries, 0.2, seed=7, width=16)
+    if not add:
+        layouts[4] = K.table_layout(0, ncols, shuffled_rows, cols)
+    ref_params = [p.cpu().clone() for p in params]
+    plan = K.ApplyPlan(params, layouts, backend="triton")
+    got = plan.apply(entry_tensor, offsets, idx, val, add=add)
+    want_sums, want_written = R.apply_deltas_ref(ref_params, layouts, entry_tensor, offsets, idx, val, add)
+    assert got.checksums() == want_sums and got.written() == want_written
+    for p, r in zip(params, ref_params, strict=True):
+        assert torch.equal(p.cpu(), r)
+    assert want_written[3] > 0 and 0 < want_written[4] < offsets[5] - offsets[4], "column slice skipped nothing"
+    assert not torch.equal(params[0].cpu(), random_bits(rows * ncols, 16, seed=1, device="cpu"))
+
+
+def test_fused_apply_with_no_changes_and_one_change():
+    params = [random_bits(100, 16, seed=1)]
+    plan = K.ApplyPlan(params, [K.strided_layout(0, [10, 10])], backend="triton")
+    empty = plan.apply(torch.tensor([0]), torch.tensor([0, 0]), torch.zeros(0, dtype=torch.int64),
+                       torch.zeros(0, dtype=torch.int32))
+    assert empty.checksums() == [0] and empty.written() == [0]
+    before = params[0].cpu().clone()
+    one = plan.apply(torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([99]), torch.tensor([5], dtype=torch.int32))
+    assert one.written() == [1]
+    assert one.checksums() == [R.checksum_update_ref(torch.tensor([99]), before[99:], params[0].cpu()[99:])]
+    assert int(params[0][99]) == (int(before[99]) + 5 + 32768) % 65536 - 32768
+
+
+def test_fused_apply_rejects_mismatched_offsets():
+    plan = K.ApplyPlan([random_bits(10, 16, seed=1)], [K.strided_layout(0, [10])], backend="triton")
+    with pytest.raises(K.KernelError, match="entries"):
+        plan.apply(torch.tensor([0]), torch.tensor([0]), torch.tensor([1]), torch.tensor([1]))
+
+
+def test_positional_apply_equals_receiver_reference():
+    target = random_bits(5000, 16, seed=1)
+    ref = target.cpu().clone()
+    g = torch.Generator().manual_seed(2)
+    pos = torch.randperm(5000, generator=g)[:700]
+    ckpt_idx = pos * 3 + 1
+    diff = wire_diff(ref[pos], random_bits(700, 16, seed=3, device="cpu"), 16)
+    got = K.apply_mapped_delta(target, pos.to(DEVICE), diff.to(DEVICE), ckpt_idx.to(DEVICE), backend="triton")
+    want = apply_mapped_delta_ref(ref, pos, diff, ckpt_idx)
+    assert got == want and want != 0
+    assert torch.equal(target.cpu(), ref)
+
+
+def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(K.KernelBackendError, match="TRITON_INTERPRET"):
+        K.checksum(torch.zeros(3, dtype=torch.int16), backend="triton")
+    assert K.checksum(torch.ones(3, dtype=torch.int16)) == 6
+
+
+def test_layouts_from_a_recorded_index_map_match_its_runs():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from rltune.sync.indexmap import IndexMap
+    from rltune.sync.toy_engine import ToyEngine, ToyEngineConfig
+
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    spec = {n: (list(t.shape), "bfloat16") for n, t in model.state_dict().items()}
+    cfg = ToyEngineConfig.from_hf(model.config)
+    imap = IndexMap.record(lambda dt: ToyEngine(cfg, 1, 2, dtype=dt), spec)
+    names, layouts = K.layouts_from_index_map(imap, {n: s for n, (s, _) in spec.items()})
+    held = 0
+    for name, lay in zip(names, layouts, strict=True):
+        runs = imap.tensors[name]
+        idx = torch.arange(runs.numel)
+        kwargs = {k: v for k, v in lay.items() if k != "target"}
+        pos = R.map_positions_ref(idx, **kwargs)
+        mask, _, want_pos = runs.locate(idx.numpy())
+        assert torch.equal(pos >= 0, torch.from_numpy(mask))
+        assert torch.equal(pos[pos >= 0], torch.from_numpy(want_pos))
+        held += int(mask.sum())
+    assert held > 0
