@@ -1,0 +1,212 @@
+"""Optimizer integration of delta sync: step in chunks and diff each chunk as it is written.
+
+Just before the optimizer writes a chunk, the parameter still holds the previous broadcast's
+weights, so the delta comes from the step itself and no copy of the weights is kept: the hook
+copies the chunk's old wire bits into one reused slot, and right after the update the diff/extract
+kernel compares them with the new bits in place and appends the changed (index, new, old) triples
+and the chunk's running-checksum change to pinned host memory, without a host sync
+(:class:`rltune.sync.kernels.ChangeSink`). On CPU the same runs through the torch references.
+
+API::
+
+    chunked_step(optimizer, hook=None, max_elements=1 << 26) -> None
+        One optimizer step, at most ``max_elements`` elements of a parameter per update, calling
+        ``hook.before(param, start, stop)`` / ``hook.after(param, start, stop)`` around each chunk
+        (flat element range of the parameter) and ``hook.begin_step()`` / ``hook.end_step()`` around
+        the step when the hook has them. Bit-identical to ``optimizer.step()`` for
+        ``torch.optim.Adam``/``AdamW`` (fused or not, foreach is the same math) and for optimizers
+        with an elementwise ``step_chunk(param, grad, group, start, stop)`` (``SignSGD``).
+
+    recorder = DeltaRecorder(model.named_parameters(), max_elements, wire_dtype=torch.bfloat16)
+    chunked_step(optimizer, recorder, max_elements)
+    changes = recorder.collect()    # {name: TensorChanges(idx_C, new_C, old_C, checksum_change)}
+
+Example::
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    rec = DeltaRecorder(model.named_parameters(), 1 << 26)
+    loss(model).backward()
+    chunked_step(opt, rec, 1 << 26)
+    for name, ch in rec.collect().items():
+        publish(name, ch.idx_C, ch.new_C, ch.old_C)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from rltune.errors import RltuneError
+from rltune.sync.kernels import ChangeSink
+from rltune.sync.kernels.reference import MASK64, as_bits
+
+DEFAULT_MAX_ELEMENTS = 1 << 26
+
+
+class ChunkedStepError(RltuneError):
+    """The optimizer or its parameters cannot be stepped in chunks."""
+
+
+class ChunkHook(Protocol):
+    def before(self, param: torch.Tensor, start: int, stop: int) -> None: ...
+
+    def after(self, param: torch.Tensor, start: int, stop: int) -> None: ...
+
+
+def _chunks(p: torch.Tensor, max_elements: int):
+    if not p.is_contiguous():
+        raise ChunkedStepError("chunked_step needs contiguous parameters; call .contiguous() on them before "
+                               "building the optimizer")
+    n = p.numel()
+    for start in range(0, n, max_elements):
+        yield start, min(n, start + max_elements)
+
+
+@torch.no_grad()
+def chunked_step(optimizer: torch.optim.Optimizer, hook: ChunkHook | None = None,
+                 max_elements: int = DEFAULT_MAX_ELEMENTS) -> None:
+    """One optimizer step in chunks of at most ``max_elements`` with ``hook`` around each (see module doc)."""
+    if max_elements <= 0:
+        raise ChunkedStepError(f"max_elements must be positive, got {max_elements}")
+    if hook is not None and hasattr(hook, "begin_step"):
+        hook.begin_step()
+    if hasattr(optimizer, "step_chunk"):
+        _step_elementwise(optimizer, hook, max_elements)
+    elif isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
+        _step_adam(optimizer, hook, max_elements)
+    else:
+        raise ChunkedStepError(f"chunked_step supports Adam/AdamW and optimizers with step_chunk (SignSGD), not "
+                               f"{type(optimizer).__name__}")
+    if hook is not None and hasattr(hook, "end_step"):
+        hook.end_step()
+
+
+def _step_elementwise(optimizer, hook, max_elements: int) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            for a, b in _chunks(p, max_elements):
+                if hook is not None:
+                    hook.before(p, a, b)
+                optimizer.step_chunk(p, p.grad, group, a, b)
+                if hook is not None:
+                    hook.after(p, a, b)
+
+
+def _step_adam(optimizer: torch.optim.Adam, hook, max_elements: int) -> None:
+    from torch.optim.adam import adam
+
+    for group in optimizer.param_groups:
+        if group["capturable"] or group["differentiable"]:
+            raise ChunkedStepError("chunked AdamW needs capturable=False and differentiable=False")
+        params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], [], [], []
+        has_complex = optimizer._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps)
+        if has_complex:
+            raise ChunkedStepError("chunked AdamW does not support complex parameters")
+        beta1, beta2 = group["betas"]
+        fused = bool(group["fused"])
+        for i, p in enumerate(params):
+            step_before = steps[i].clone()
+            step_after = step_before
+            for a, b in _chunks(p, max_elements):
+                step_after = step_before.clone()  # each chunk advances from the same step count
+                if hook is not None:
+                    hook.before(p, a, b)
+                adam([p.view(-1)[a:b]], [grads[i].reshape(-1)[a:b]], [exp_avgs[i].view(-1)[a:b]],
+                     [exp_avg_sqs[i].view(-1)[a:b]], [max_sqs[i].view(-1)[a:b]] if group["amsgrad"] else [],
+                     [step_after], amsgrad=group["amsgrad"], has_complex=False, beta1=beta1, beta2=beta2,
+                     lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                     maximize=group["maximize"], foreach=False, capturable=False, differentiable=False,
+                     fused=fused, grad_scale=None, found_inf=None,
+                     decoupled_weight_decay=group.get("decoupled_weight_decay", False))
+                if hook is not None:
+                    hook.after(p, a, b)
+            steps[i].copy_(step_after)
+
+
+@dataclass
+class TensorChanges:
+    """One tensor's changes in a step: absolute flat indices (ascending), new and old wire bits, checksum change."""
+
+    idx_C: torch.Tensor  # int64
+    new_C: torch.Tensor  # int32, unsigned wire bits
+    old_C: torch.Tensor  # int32, unsigned wire bits
+    checksum_change: int  # sum (idx + 1) * (u_new - u_old) mod 2**64
+
+
+class DeltaRecorder:
+    """A :class:`ChunkHook` that records every changed element of a step, chunk by chunk.
+
+    ``wire_dtype`` casts floating parameters as sent (fp32 master weights published as bf16); the
+    old bits of a chunk live in one reused slot per wire dtype. ``capacity_fraction`` sizes the
+    pinned change buffers as a fraction of all elements (a step that changes more raises
+    :class:`~rltune.sync.kernels.ChangeCapacityError` at :meth:`collect`). ``backend``: as in
+    :mod:`rltune.sync.kernels` ("auto": Triton on CUDA, torch reference on CPU).
+    """
+
+    def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], max_elements: int = DEFAULT_MAX_ELEMENTS,
+                 wire_dtype: torch.dtype | None = None, capacity_fraction: float = 0.25, backend: str = "auto"):
+        self.params = dict(named_params)
+        if not self.params:
+            raise ChunkedStepError("DeltaRecorder needs at least one parameter")
+        if not 0 < capacity_fraction <= 1:
+            raise ChunkedStepError(f"capacity_fraction must be in (0, 1], got {capacity_fraction}")
+        self.wire_dtype, self.max_elements = wire_dtype, max_elements
+        self._name_of = {id(p): n for n, p in self.params.items()}
+        first = next(iter(self.params.values()))
+        self.device = first.device
+        total = sum(p.numel() for p in self.params.values())
+        chunks = sum(-(-p.numel() // max_elements) for p in self.params.values())
+        largest = min(max_elements, max(p.numel() for p in self.params.values()))
+        self.sink = ChangeSink(max(1, int(total * capacity_fraction)), largest, max(1, chunks), self.device, backend)
+        self._slots: dict[torch.dtype, torch.Tensor] = {}
+        self._old: torch.Tensor | None = None
+
+    def _wire(self, p: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        chunk = p.detach().view(-1)[a:b]
+        if self.wire_dtype is not None and p.is_floating_point() and p.dtype != self.wire_dtype:
+            chunk = chunk.to(self.wire_dtype)
+        return as_bits(chunk)
+
+    def begin_step(self) -> None:
+        self.sink.reset()
+
+    def before(self, param: torch.Tensor, start: int, stop: int) -> None:
+        bits = self._wire(param, start, stop)
+        slot = self._slots.get(bits.dtype)
+        if slot is None:
+            slot = self._slots[bits.dtype] = torch.empty(self.sink.max_chunk_elements, dtype=bits.dtype,
+                                                         device=self.device)
+        self._old = slot[:bits.numel()]
+        self._old.copy_(bits)
+
+    def after(self, param: torch.Tensor, start: int, stop: int) -> None:
+        name = self._name_of.get(id(param))
+        if name is None:
+            raise ChunkedStepError("the optimizer steps a parameter the DeltaRecorder was not given; pass the "
+                                   "same named_parameters() the optimizer holds")
+        self.sink.append(self._old, self._wire(param, start, stop), start, name)
+
+    def end_step(self) -> None:
+        self.sink.finish()
+
+    def collect(self) -> dict[str, TensorChanges]:
+        """Wait for the step's kernels; per tensor, its changes (copied out of the reused buffers)."""
+        per_name: dict[str, list] = {}
+        for chunk in self.sink.collect():
+            per_name.setdefault(chunk.key, []).append(chunk)
+        out = {}
+        for name, chunks in per_name.items():
+            total = 0
+            for c in chunks:
+                total += c.checksum_change
+            out[name] = TensorChanges(torch.cat([c.idx_C for c in chunks]), torch.cat([c.new_C for c in chunks]),
+                                      torch.cat([c.old_C for c in chunks]), total & MASK64)
+        return out
+
+
+__all__ = ["ChunkHook", "ChunkedStepError", "DeltaRecorder", "TensorChanges", "chunked_step"]
