@@ -91,6 +91,7 @@ class OrchestratorConfig:
 class SyncConfig:
     transport: Literal["filesystem", "inprocess", "sparse_delta"] = field("filesystem", doc="filesystem: safetensors checkpoint written and read; inprocess: shared-memory copy; sparse_delta: rltune.sync sender/receiver")
     keep_checkpoints: int = field(1, doc="filesystem: checkpoints kept on disk after the engines loaded them", min=0)
+    anchor_interval: int = field(10, doc="sparse_delta: a full anchor every this many weight versions, deltas between", min=1)
 
 
 @dataclass
@@ -107,6 +108,8 @@ class WorkloadConfig:
     def validate(self) -> None:
         if self.trainer.world_size > 1 and self.trainer.launcher != "torchrun":
             raise FieldProblem("trainer.world_size", "world_size > 1 needs trainer.launcher: torchrun")
+        if self.sync.transport == "sparse_delta" and self.trainer.mini_batches != 1:
+            raise FieldProblem("trainer.mini_batches", "sparse_delta publishes one optimizer step per weight version; use mini_batches: 1")
         if self.trainer.mini_batches > self.orchestrator.tasks_per_batch:
             raise FieldProblem("trainer.mini_batches", f"must not exceed orchestrator.tasks_per_batch ({self.orchestrator.tasks_per_batch}); each mini-batch holds whole groups")
         if self.engine.kv_cache_tokens < self.env.context_limit_tokens + 1:

@@ -79,7 +79,11 @@ class _Job:
         self.run_dir = run_dir
         self.trainer = trainer
         engine_dtype = torch_dtype(cfg.model.engine_dtype)
-        self.publisher = make_publisher(cfg.sync.transport, run_dir, engine_dtype, trainer.module, cfg.sync.keep_checkpoints)
+        self.publisher = make_publisher(cfg.sync.transport, run_dir, engine_dtype, trainer.module, cfg.sync.keep_checkpoints,
+                                        optimizer=trainer.optimizer, preset=cfg.model.preset,
+                                        anchor_interval=cfg.sync.anchor_interval)
+        if hasattr(self.publisher, "optimizer_step"):
+            trainer.trainer.optimizer_step = self.publisher.optimizer_step
         settings = EngineSettings(
             preset=cfg.model.preset, seed=cfg.model.seed, dtype=cfg.model.engine_dtype,
             device=resolve_device(cfg.engine.device), attn_implementation=cfg.model.attn_implementation,
@@ -107,8 +111,12 @@ class _Job:
         loads = self.client.load_weights(version, message)
         self.publisher.loaded(version)
         self.engine_version = version
-        return {"weight_sync_s": time.perf_counter() - start, "sync_publish_s": info["publish_s"],
-                "sync_bytes": info["bytes"], "sync_load_s_max": max(x["load_s"] for x in loads)}
+        out = {"weight_sync_s": time.perf_counter() - start, "sync_publish_s": info["publish_s"],
+               "sync_bytes": info["bytes"], "sync_load_s_max": max(x["load_s"] for x in loads)}
+        for key in ("delta_bytes", "anchor_bytes"):
+            if key in info:
+                out[f"sync_{key}"] = info[key]
+        return out
 
     def train(self, groups: list[Group]) -> tuple[dict[str, float], list[int]]:
         version_before = self.trainer.version
@@ -170,6 +178,7 @@ class _Job:
             rec["sandbox_kills"] = float(sum(t.sandbox_kills for t in trajs))
             # Mean time a trial waited for a free sandbox (pool_size too small shows here first).
             rec["sandbox_slot_wait_s"] = self.rollout.pool.take_slot_wait_s() / max(1, len(trajs))
+        rec.update({k: v for k, v in sync.items() if k not in rec and k != "weight_sync_s"})
         rec.update(extra)
         if step == 0:
             rec.update(self.extra_first)

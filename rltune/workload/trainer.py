@@ -70,6 +70,8 @@ class GRPOTrainer:
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=self.t.lr, weight_decay=self.t.weight_decay)
         self.version = 0
         self.temperature = cfg.env.temperature
+        # A weight-sync transport that diffs inside the optimizer step (sparse_delta) replaces this.
+        self.optimizer_step = self.optimizer.step
 
     # -- batching ---------------------------------------------------------------------------------
     def shard(self, samples: list[TrainSample]) -> list[TrainSample]:
@@ -213,7 +215,7 @@ class GRPOTrainer:
             t0 = time.perf_counter()
             if self.t.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.t.max_grad_norm)
-            self.optimizer.step()
+            self.optimizer_step()
             self._sync_device()
             compute_s += time.perf_counter() - t0
         self.version += 1
@@ -246,6 +248,10 @@ class DistributedTrainer:
     @property
     def module(self):
         return self.trainer.module
+
+    @property
+    def optimizer(self):
+        return self.trainer.optimizer
 
     def _broadcast(self, command: Any) -> None:
         if self.trainer.world_size > 1:

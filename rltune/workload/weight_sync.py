@@ -8,7 +8,8 @@ and reports what it read). The orchestrator times publish + every engine's load 
   loads it with ``load_state_dict``.
 - ``inprocess``: a full copy through shared tensors created once at start (shared memory on a CPU,
   CUDA IPC on a GPU); the trainer copies into them, each engine copies out.
-- ``sparse_delta``: rltune.sync's sender/receiver (only changed elements, periodic anchors).
+- ``sparse_delta``: rltune.sync's sender/receiver (only changed elements, periodic anchors); see
+  :mod:`rltune.workload.sparse_delta`.
 """
 
 from __future__ import annotations
@@ -131,13 +132,14 @@ def check_transport(transport: str) -> None:
     """Raise :class:`WeightSyncError` if ``transport`` cannot be used in this checkout."""
     if transport == "sparse_delta" and not sparse_delta_available():
         raise WeightSyncError("sync.transport: sparse_delta needs rltune/sync/sender.py and receiver.py, which "
-                              "this checkout does not have yet; use sync.transport=filesystem or inprocess")
+                              "this checkout does not have; use sync.transport=filesystem or inprocess")
     if transport not in ("filesystem", "inprocess", "sparse_delta"):
         raise WeightSyncError(f"sync.transport: unknown transport {transport!r}; use filesystem, inprocess or sparse_delta")
 
 
-def make_publisher(transport: str, run_dir: Path, engine_dtype, model, keep: int = 1) -> Any:
-    """The trainer side of ``sync.transport``."""
+def make_publisher(transport: str, run_dir: Path, engine_dtype, model, keep: int = 1, *, optimizer=None,
+                   preset: str = "tiny", anchor_interval: int = 10) -> Any:
+    """The trainer side of ``sync.transport`` (sparse_delta also needs the optimizer it will drive)."""
     if transport == "filesystem":
         return FilesystemPublisher(run_dir, engine_dtype, model, keep)
     if transport == "inprocess":
@@ -146,7 +148,7 @@ def make_publisher(transport: str, run_dir: Path, engine_dtype, model, keep: int
     if transport == "sparse_delta":
         from rltune.workload.sparse_delta import SparseDeltaPublisher
 
-        return SparseDeltaPublisher(run_dir, engine_dtype, model, keep)
+        return SparseDeltaPublisher(run_dir, engine_dtype, model, optimizer, preset, anchor_interval)
     raise AssertionError(transport)  # check_transport covers every other name
 
 

@@ -77,10 +77,11 @@ def test_one_step_async_under_torchrun_trains_each_batch_one_version_late(tmp_pa
     assert (tmp_path / "launch-config.yaml").exists() and (tmp_path / "torchrun.log").exists()
 
 
-def test_fully_async_keeps_sample_age_within_the_cap(tmp_path):
+def test_fully_async_keeps_sample_age_within_the_cap_with_sparse_delta_sync(tmp_path):
     metrics = workload.run(TINY_MATH, tmp_path, steps=4,
                            overrides=[*FAST, "orchestrator.rl_mode=fully_async", "orchestrator.max_sample_age=1",
-                                      "trainer.reuse_rollout_logprobs=true", "trainer.packing=true"])
+                                      "trainer.reuse_rollout_logprobs=true", "trainer.packing=true",
+                                      "sync.transport=sparse_delta", "sync.anchor_interval=2"])
     recs = records(metrics)
     check_record_shapes(recs, tool_use=False)
     assert recs[0]["sample_age_max"] == 0
@@ -88,6 +89,9 @@ def test_fully_async_keeps_sample_age_within_the_cap(tmp_path):
     assert all(r["old_logprob_s"] == 0 for r in recs)  # logprobs reused: the pass does not run
     assert all(r["padding_frac"] == 0 for r in recs)  # packed rows carry no padding
     assert all("groups_dropped_stale" in r for r in recs)
+    # Engines took every version through rltune.sync: deltas each step, an anchor every 2nd version.
+    assert [r["sync_anchor_bytes"] > 0 for r in recs] == [False, True, False, True]
+    assert all(r["sync_delta_bytes"] > 0 for r in recs)
 
 
 def test_tool_use_in_one_step_async_mode_runs_turns_in_sandboxes_and_leaves_nothing(tmp_path):
