@@ -212,3 +212,40 @@ def test_layouts_from_a_recorded_index_map_match_its_runs():
         assert torch.equal(pos[pos >= 0], torch.from_numpy(want_pos))
         held += int(mask.sum())
     assert held > 0
+
+
+@pytest.mark.gpu
+def test_kernels_equal_references_at_real_sizes_on_cuda():
+    n = (1 << 26) + 12345  # one 64 M-element optimizer chunk and a ragged tail
+    old = random_bits(n, 16, seed=11, device="cuda")
+    new = perturb(old, 0.03, seed=12)
+    assert K.checksum(old) == R.checksum_ref(old)
+    got = K.diff_extract(old, new, offset=(1 << 35))
+    want = R.diff_extract_ref(old, new, 1 << 35)
+    assert all(torch.equal(g, w) for g, w in zip(got[:3], want[:3], strict=True)) and got[3] == want[3]
+    assert want[0].numel() > 0.02 * n
+    params = [old.clone(), random_bits(n, 32, seed=13, device="cuda")]
+    ref = [p.clone() for p in params]
+    layouts = [K.strided_layout(0, [n]), K.strided_layout(1, [n // 7, 7])]
+    idx = torch.cat([want[0] - (1 << 35), want[0][:1000] - (1 << 35)])
+    val = random_bits(idx.numel(), 32, seed=14, device="cuda")
+    entry_tensor, offsets = torch.tensor([0, 1]), torch.tensor([0, want[0].numel(), idx.numel()])
+    result = K.ApplyPlan(params, layouts).apply(entry_tensor, offsets, idx, val, add=True)
+    sums, written = R.apply_deltas_ref(ref, layouts, entry_tensor, offsets, idx, val, True)
+    assert result.checksums() == sums and result.written() == written
+    assert all(torch.equal(p, r) for p, r in zip(params, ref, strict=True))
+
+
+@pytest.mark.gpu
+def test_fused_apply_compiles_once_per_plan_not_per_delta():
+    from rltune.sync.kernels.triton_kernels import KERNELS, compiled_variants
+
+    params = [random_bits(1 << 20, 16, seed=1, device="cuda"), random_bits(3000, 16, seed=2, device="cuda")]
+    plan = K.ApplyPlan(params, [K.strided_layout(0, [1 << 20]), K.strided_layout(1, [30, 100])])
+    compiled = compiled_variants(KERNELS["apply_deltas"])
+    assert compiled > 0
+    for n_changes, entries in ((17, [0]), (100_000, [0, 1]), (3, [1])):
+        idx = torch.cat([torch.arange(n_changes) for _ in entries])
+        offsets = torch.tensor([0] + [n_changes * (k + 1) for k in range(len(entries))])
+        plan.apply(torch.tensor(entries), offsets, idx.cuda(), torch.ones(idx.numel(), dtype=torch.int32).cuda())
+    assert compiled_variants(KERNELS["apply_deltas"]) == compiled, "a delta recompiled the apply kernel"

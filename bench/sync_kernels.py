@@ -1,0 +1,264 @@
+"""Benchmark of the weight-sync kernels against torch baselines measured in the same run.
+
+Sections (each reports min/median/max ms, GB/s and the ratio to its baseline):
+
+- apply:     fused multi-tensor apply (+ verify: per-entry running checksums compared on the host)
+             of 1 % and 4 % changes into 1 GiB of bf16 vs a plain ``index_put_`` scatter of the same changes;
+- diff:      diff/extract of 1 GiB of bf16 in 64 M-element chunks vs ``torch.nonzero(a != b)``;
+- checksum:  full checksum of 1 GiB vs a device copy of it (copy bandwidth counts read + write);
+- step:      AdamW (fused) on ~0.5 B bf16 parameters: chunked step with the delta recorder vs a plain step.
+
+Usage (GPU; one command, no input, fails loudly)::
+
+    python bench/sync_kernels.py --out bench/results/sync_kernels_h200.json
+    python bench/sync_kernels.py --device cpu --tiny --out /tmp/sync_kernels_cpu.json   # smoke check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rltune.sync import kernels as K  # noqa: E402
+from rltune.sync.chunked import DeltaRecorder, chunked_step  # noqa: E402
+from rltune.sync.kernels.reference import MASK64, as_bits  # noqa: E402
+
+GIB = 1 << 30
+
+
+class Timer:
+    """CUDA-event timing on a GPU, perf_counter on the CPU; warm-up, then ``repeats`` timed runs."""
+
+    def __init__(self, device: torch.device, warmup: int, repeats: int):
+        self.device, self.warmup, self.repeats = device, warmup, repeats
+
+    def __call__(self, fn) -> dict:
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.repeats):
+            if self.device.type == "cuda":
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                fn()
+                stop.record()
+                stop.synchronize()
+                times.append(start.elapsed_time(stop))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return dict(min_ms=min(times), median_ms=statistics.median(times), max_ms=max(times), repeats=len(times))
+
+
+def with_rate(stats: dict, nbytes: int) -> dict:
+    return dict(stats, bytes=nbytes, GBps=nbytes / (stats["median_ms"] * 1e-3) / 1e9)
+
+
+def random_changes(numels: list[int], fraction: float, device: torch.device, seed: int):
+    """Unique sorted indices per tensor (entry), their global flat index and new bf16 bits."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    idx_parts, global_parts, offsets, base = [], [], [0], 0
+    for n in numels:
+        k = int(n * fraction)
+        idx = torch.randperm(n, generator=g, device=device)[:k].sort().values
+        idx_parts.append(idx)
+        global_parts.append(idx + base)
+        offsets.append(offsets[-1] + k)
+        base += n
+    idx = torch.cat(idx_parts)
+    vals = torch.randint(-(1 << 15), 1 << 15, (idx.numel(),), generator=g, device=device, dtype=torch.int16)
+    return idx, torch.cat(global_parts), torch.tensor(offsets, device=device), vals
+
+
+def bench_apply(dev, timer, total, tensors, fractions) -> list[dict]:
+    per = total // tensors
+    flat = torch.randn(per * tensors, device=dev).to(torch.bfloat16)
+    params = list(as_bits(flat).view(tensors, per).unbind(0))
+    plan = K.ApplyPlan(params, [K.strided_layout(t, [per]) for t in range(tensors)])
+    entry_tensor = torch.arange(tensors, device=dev)
+    flat_bits = as_bits(flat)
+    out = []
+    for fraction in fractions:
+        idx, gidx, offsets, vals = random_changes([per] * tensors, fraction, dev, seed=int(fraction * 1e4))
+        val32 = vals.to(torch.int32)
+        scatter = timer(lambda gidx=gidx, vals=vals: flat_bits.index_put_((gidx,), vals))
+        fused = timer(lambda idx=idx, val32=val32, offsets=offsets: plan.apply(entry_tensor, offsets, idx, val32,
+                                                                              add=False))
+        # verify = running checksums (kept per tensor, moved by each apply) against the trainer's checksums;
+        # after one application the patched state is fixed, so its full checksums are what the trainer sends
+        plan.apply(entry_tensor, offsets, idx, val32, add=False)
+        trainer = [K.checksum(p) for p in params]
+        running = torch.tensor([c - (1 << 64) if c >= 1 << 63 else c for c in trainer], device=dev)
+
+        def apply_verify(idx=idx, val32=val32, offsets=offsets, running=running, trainer=trainer):
+            moved = running + plan.apply(entry_tensor, offsets, idx, val32, add=False).checksum_E
+            if [v & MASK64 for v in moved.tolist()] != trainer:
+                raise RuntimeError("running checksums after apply differ from the trainer's")
+
+        fused_verify = timer(apply_verify)
+        # exactness at this size: the fused kernel and index_put leave the same bits
+        ref = flat_bits.clone()
+        ref.index_put_((gidx,), vals)
+        plan.apply(entry_tensor, offsets, idx, val32, add=False)
+        if not torch.equal(ref, flat_bits):
+            raise RuntimeError("fused apply differs from index_put at benchmark size")
+        changes = idx.numel()
+        moved = changes * (8 + 2 + 2)
+        out.append(dict(fraction=fraction, changes=changes, tensors=tensors, bytes_param=total * 2,
+                        index_put=with_rate(scatter, moved), fused_apply=with_rate(fused, moved),
+                        fused_apply_verify=with_rate(fused_verify, moved),
+                        ratio_apply=fused["median_ms"] / scatter["median_ms"],
+                        ratio_apply_verify=fused_verify["median_ms"] / scatter["median_ms"]))
+    return out
+
+
+def bench_diff(dev, timer, total, chunk, fractions) -> list[dict]:
+    from rltune.sync.kernels import triton_kernels as tk
+
+    old = as_bits(torch.randn(total, device=dev).to(torch.bfloat16))
+    out = []
+    for fraction in fractions:
+        g = torch.Generator(device=dev).manual_seed(7)
+        new = old.clone()
+        changed = torch.rand(total, generator=g, device=dev) < fraction
+        new[changed] ^= 1
+        baseline = timer(lambda new=new: torch.nonzero(old != new))
+        row = dict(fraction=fraction, elements=total, chunk=chunk, nonzero=with_rate(baseline, total * 4))
+        if dev.type == "cuda":
+            n = min(chunk, total)
+            programs = tk.diff_programs(n)
+            scratch = (torch.empty(programs * tk.DIFF_BLOCK, dtype=torch.int32, device=dev),
+                       torch.empty(programs * tk.DIFF_BLOCK, dtype=torch.int16, device=dev),
+                       torch.empty(programs * tk.DIFF_BLOCK, dtype=torch.int16, device=dev),
+                       torch.empty(programs, dtype=torch.int32, device=dev),
+                       torch.empty(programs, dtype=torch.int64, device=dev))
+            cap = int(total * fraction * 1.2) + 1024
+            outs = (torch.empty(cap, dtype=torch.int64, device=dev), torch.empty(cap, dtype=torch.int32, device=dev),
+                    torch.empty(cap, dtype=torch.int32, device=dev))
+            chunks = -(-total // n)
+            starts = torch.zeros(chunks + 1, dtype=torch.int64, device=dev)
+
+            def to_device(new=new, scratch=scratch, outs=outs, starts=starts, cap=cap, n=n):
+                for k, a in enumerate(range(0, total, n)):
+                    tk.diff_extract_launch(old[a:a + n], new[a:a + n], a, 0xFFFF, scratch, starts, k, outs, cap)
+
+            row["diff_extract_device"] = with_rate(timer(to_device), total * 4)
+            to_device()
+            if int(starts[-1]) != int(changed.sum()):
+                raise RuntimeError(f"diff/extract found {int(starts[-1])} changes, expected {int(changed.sum())}")
+        sink = K.ChangeSink(int(total * fraction * 1.2) + 1024, min(chunk, total), -(-total // chunk), dev)
+
+        def to_sink(new=new, sink=sink):
+            sink.reset()
+            for a in range(0, total, chunk):
+                sink.append(old[a:a + chunk], new[a:a + chunk], a, a)
+            sink.finish()
+            sink.collect()
+
+        row["diff_extract_pinned"] = with_rate(timer(to_sink), total * 4)
+        per_gib = GIB / (total * 2)
+        key = "diff_extract_device" if "diff_extract_device" in row else "diff_extract_pinned"
+        row["ms_per_GiB"] = row[key]["median_ms"] * per_gib
+        row["ratio_vs_nonzero"] = row[key]["median_ms"] / baseline["median_ms"]
+        out.append(row)
+    return out
+
+
+def bench_checksum(dev, timer, total) -> dict:
+    src = torch.randn(total, device=dev).to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy = with_rate(timer(lambda: dst.copy_(src)), total * 4)
+    bits = as_bits(src)
+    got = timer(lambda: K.checksum(bits))
+    chk = with_rate(got, total * 2)
+    from rltune.sync.kernels.reference import checksum_ref
+
+    exact = K.checksum(bits) == checksum_ref(bits) & MASK64
+    if not exact:
+        raise RuntimeError("checksum kernel differs from checksum_ref at benchmark size")
+    return dict(elements=total, copy=copy, checksum=chk, fraction_of_copy_bandwidth=chk["GBps"] / copy["GBps"],
+                exact=exact)
+
+
+def bench_step(dev, timer, total, tensors, chunk) -> dict:
+    per = total // tensors
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter((torch.randn(per, device=dev) * 0.02).to(torch.bfloat16)) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    fused = dev.type == "cuda"
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=fused)
+    plain = timer(opt.step)
+    no_hook = timer(lambda: chunked_step(opt, None, chunk))
+    rec = DeltaRecorder([(f"w{i}", p) for i, p in enumerate(params)], chunk, capacity_fraction=0.25)
+    fractions = []
+
+    def recorded():
+        chunked_step(opt, rec, chunk)
+        fractions.append(sum(c.idx_C.numel() for c in rec.collect().values()) / total)
+
+    with_rec = timer(recorded)
+    return dict(params=total, tensors=tensors, chunk=chunk, fused_adamw=fused, plain_step=plain,
+                chunked_step=no_hook, chunked_step_with_recorder=with_rec,
+                extra_ms=with_rec["median_ms"] - plain["median_ms"], ratio=with_rec["median_ms"] / plain["median_ms"],
+                changed_fraction=statistics.median(fractions))
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--tiny", action="store_true", help="small sizes and few repeats (smoke check)")
+    ap.add_argument("--out", required=True, type=Path, help="JSON record to write")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--git-sha", default=None, help="commit measured (default: git rev-parse HEAD)")
+    ap.add_argument("--sections", default="apply,diff,checksum,step")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but no CUDA device is visible; use --device cpu --tiny for the smoke check")
+    total = (1 << 20) if args.tiny else GIB // 2  # bf16 elements: 1 GiB at full size
+    repeats = args.repeats or (3 if args.tiny else 20)
+    timer = Timer(dev, warmup=1 if args.tiny else 3, repeats=repeats)
+    sections = set(args.sections.split(","))
+    import triton
+
+    record = dict(benchmark="sync_kernels", device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else
+                  platform.processor() or "cpu", torch=torch.__version__, triton=triton.__version__,
+                  git_sha=args.git_sha or git_sha(), tiny=args.tiny, repeats=repeats, bf16_elements=total,
+                  time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    chunk = (1 << 16) if args.tiny else (1 << 26)
+    if "apply" in sections:
+        record["apply"] = bench_apply(dev, timer, total, 8 if args.tiny else 64, [0.01, 0.04])
+    if "diff" in sections:
+        record["diff"] = bench_diff(dev, timer, total, chunk, [0.01, 0.04])
+    if "checksum" in sections:
+        record["checksum"] = bench_checksum(dev, timer, total)
+    if "step" in sections:
+        record["step"] = bench_step(dev, timer, total, 4 if args.tiny else 16, chunk)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1))
+    print(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
