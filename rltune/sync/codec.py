@@ -132,8 +132,8 @@ def _rice_decode(buf, n_gaps, k, first, stop, out):
         if prev >= stop:
             return -2
         out[j] = prev
-    if (pos + 7) >> 3 != buf.shape[0]:
-        return -3
+    if (pos + 7) >> 3 != buf.shape[0] or _get_bits(buf, pos, (8 - (pos & 7)) & 7) != 0:
+        return -3  # the stream must end in its last byte, padded with zero bits
     return 0
 
 
@@ -170,7 +170,7 @@ def _desymbolize(syms, extra, zz):
                 return -1
             zz[j] = (np.int64(1) << (nb - 1)) | _get_bits(extra, pos, nb - 1)
             pos += nb - 1
-    if (pos + 7) >> 3 != extra.shape[0]:
+    if (pos + 7) >> 3 != extra.shape[0] or _get_bits(extra, pos, (8 - (pos & 7)) & 7) != 0:
         return -3
     return 0
 
@@ -294,7 +294,7 @@ def _encode_block(first: int, gaps: np.ndarray | None, zz: np.ndarray) -> bytes:
     if gaps is not None and gaps.shape[0]:
         mean = float(gaps.mean())
         k0 = max(0, int(math.log2(mean + 1.0)))
-        candidates = range(max(0, k0 - 3), min(RICE_RAW_BITS - 1, k0 + 3) + 1)
+        candidates = range(max(0, k0 - 1), min(RICE_RAW_BITS - 1, k0 + 2) + 1)
         rice_k = min(candidates, key=lambda k: _rice_cost_bits(gaps, k))
         buf = np.zeros((_rice_cost_bits(gaps, rice_k) + 7) // 8 + 8, dtype=np.uint8)
         gap_bytes = buf[:_rice_encode(gaps, rice_k, buf)].tobytes()
@@ -351,13 +351,35 @@ def encode(idx: np.ndarray, diff: np.ndarray, bits: int, start: int, stop: int, 
     if np.any(diff == 0) or diff.min() < -lim or diff.max() >= lim:
         raise ValueError(f"differences must be non-zero and inside [-2^{bits - 1}, 2^{bits - 1})")
     zz = zigzag(diff)
-    sparse = _encode_stream(MODE_SPARSE, bits, start, stop, idx, zz) if mode != "dense" else None
-    if mode == "sparse" or (mode == "auto" and idx.shape[0] * 16 < stop - start):
-        return sparse
+    if mode == "auto":
+        mode = "dense" if _dense_is_smaller(idx, zz, stop - start) else "sparse"
+    if mode == "sparse":
+        return _encode_stream(MODE_SPARSE, bits, start, stop, idx, zz)
     dense_zz = np.zeros(stop - start, dtype=np.int64)
     dense_zz[idx - start] = zz
-    dense = _encode_stream(MODE_DENSE, bits, start, stop, idx, dense_zz)
-    return dense if sparse is None or len(dense) < len(sparse) else sparse
+    return _encode_stream(MODE_DENSE, bits, start, stop, idx, dense_zz)
+
+
+def _entropy_bits(counts: np.ndarray) -> float:
+    counts = counts[counts > 0]
+    total = counts.sum()
+    return float(-(counts * np.log2(counts / total)).sum())
+
+
+def _dense_is_smaller(idx: np.ndarray, zz: np.ndarray, numel: int) -> bool:
+    """Estimate both streams' sizes (entropy of their symbols + Rice bits) instead of coding both."""
+    k = idx.shape[0]
+    if k * 16 < numel:  # below 1/16 changed the positions are far cheaper than coding every zero
+        return False
+    syms = np.minimum(zz, N_DIRECT)  # large values cost the same extra bits either way
+    counts = np.bincount(syms, minlength=N_DIRECT + 1)
+    gaps = np.diff(idx) - 1
+    k0 = max(0, int(math.log2(float(gaps.mean()) + 1.0))) if gaps.shape[0] else 0
+    rice = min(_rice_cost_bits(gaps, kk) for kk in range(max(0, k0 - 1), k0 + 3)) if gaps.shape[0] else 0
+    sparse_bits = rice + _entropy_bits(counts)
+    counts[0] = numel - k
+    dense_bits = _entropy_bits(counts)
+    return dense_bits * 1.04 < sparse_bits  # dense pays more block headers and some rANS rounding
 
 
 def decode(data: bytes | memoryview, start: int, stop: int, bits: int | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -94,6 +94,10 @@ class WeightChangedOutsideStepError(SyncFormatError):
     """A trainer weight changed outside the optimizer step, so a delta would miss that change."""
 
 
+class UpdateFailedError(SyncFormatError):
+    """The update failed on another worker of this TP group; every worker reloads next time."""
+
+
 class IndexMapError(SyncFormatError):
     """The engine's checkpoint->parameter index map cannot be used (uneven cover, dtype, overlap)."""
 

@@ -46,10 +46,6 @@ _BITS_NP = {8: np.dtype("u1"), 16: np.dtype("<i2"), 32: np.dtype("<i4")}
 _DTYPE_BITS = {"bfloat16": 16, "float16": 16, "float32": 32, "float8_e4m3fn": 8, "float8_e5m2": 8}
 
 
-class UpdateFailedError(fmt.SyncFormatError):
-    """The update failed on another worker of this TP group; every worker reloads next time."""
-
-
 @dataclass
 class UpdateReport:
     """What one ``apply``/``load_latest`` did."""
@@ -285,7 +281,7 @@ class DeltaReceiver:
         if err is not None:
             raise err
         if failed:
-            raise UpdateFailedError("the update failed on another worker of this TP group; "
+            raise fmt.UpdateFailedError("the update failed on another worker of this TP group; "
                                     "every worker will reload the latest anchor and replay at the next update")
         return result
 

@@ -124,10 +124,11 @@ class BroadcastStore:
         return [s for s in self.steps(revalidate=True) if self.is_complete(s)]
 
     def manifest(self, step: int) -> dict[str, Any]:
+        if not self.is_complete(step):  # checked even when cached: a pruned step must not be trusted
+            self._manifests.pop(step, None)
+            raise fmt.ChainError(f"{self.step_dir(step)}: step {step} is absent or not complete; "
+                                 "wait for the trainer or load an older anchor")
         if step not in self._manifests:
-            if not self.is_complete(step):
-                raise fmt.ChainError(f"{self.step_dir(step)}: step {step} is absent or not complete; "
-                                     "wait for the trainer or load an older anchor")
             self._manifests[step] = fmt.read_manifest(self.step_dir(step))
         return self._manifests[step]
 

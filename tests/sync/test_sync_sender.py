@@ -1,0 +1,148 @@
+"""Sender: chunked optimizer steps are exact, deltas come from the step, kinds/ties/statics/pruning."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from sync_helpers import Trainer, assert_same_params, engine_cfg, make_receiver, reference_engine, tiny_qwen3
+
+from rltune.sync import format as fmt
+from rltune.sync.sender import SignSGD, chunked_step
+from rltune.sync.store import BroadcastStore
+
+
+def _grads(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+def _odd_model(dtype):
+    torch.manual_seed(0)
+    m = torch.nn.ParameterDict({"a": torch.nn.Parameter(torch.randn(5, 7)), "b": torch.nn.Parameter(torch.randn(13)),
+                                "c": torch.nn.Parameter(torch.randn(3, 4, 5))})
+    return m.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1, 7, 64, 10**9])
+@pytest.mark.parametrize("opt_name", ["adamw", "signsgd"])
+def test_chunked_step_is_bit_identical_to_the_plain_step(dtype, chunk, opt_name):
+    a, b = _odd_model(dtype), _odd_model(dtype)
+    make = (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)) if opt_name == "adamw" \
+        else (lambda m: SignSGD(m.parameters(), lr=1e-2, weight_decay=0.1))
+    oa, ob = make(a), make(b)
+    seen = []
+    for step in range(3):
+        _grads(a, step), _grads(b, step)
+        oa.step()
+        chunked_step(ob, chunk, before=lambda p, s, e: seen.append((s, e)), after=None)
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb), n
+    assert not torch.equal(a["a"], _odd_model(dtype)["a"])  # the steps did move the weights
+    assert max(e - s for s, e in seen) <= chunk
+    if opt_name == "adamw":
+        assert all(float(ob.state[p]["step"]) == 3.0 for p in b.parameters())
+
+
+def test_a_broadcast_without_an_optimizer_step_is_a_full_checkpoint(tmp_path):
+    tr = Trainer(tmp_path, interval=3)
+    assert tr.pub.publish(0)["kind"] == "full"
+    assert tr.pub.publish(1)["kind"] == "full"  # nothing stepped in between
+    tr.train_step()
+    m = tr.pub.publish(2)
+    assert m["kind"] == "delta" and m["base_step"] == 1
+    tr.train_step()
+    m = tr.pub.publish(3)
+    assert m["kind"] == "anchor" and len(m["parts"]) == 1 and len(m["anchors"]) == 1
+
+
+def test_a_weight_changed_outside_the_step_raises(tmp_path):
+    tr = Trainer(tmp_path)
+    tr.pub.publish(0)
+    with torch.no_grad():
+        tr.model.model.norm.weight[3] += 1.0
+    tr.train_step()
+    with pytest.raises(fmt.WeightChangedOutsideStepError):
+        tr.pub.publish(1)
+    tr.pub.force_full()
+    assert tr.pub.publish(2)["kind"] == "full"
+
+
+def test_tied_weights_go_once_in_deltas_and_under_every_name_in_anchors(tmp_path):
+    tr = Trainer(tmp_path, tie=True, interval=2)
+    m0 = tr.pub.publish(0)
+    t = m0["tensors"]
+    assert t["lm_head.weight"]["tied_to"] == "model.embed_tokens.weight"
+    assert t["lm_head.weight"]["checksum"] == t["model.embed_tokens.weight"]["checksum"]
+    tr.train_step()
+    tr.pub.publish(1)
+    tr.train_step()
+    tr.pub.publish(2)
+    d = tmp_path / fmt.step_dir_name(2)
+    delta, _ = fmt.read_part_header(d / "rank-00000.delta")
+    anchor, _ = fmt.read_part_header(d / "rank-00000.anchor")
+    delta_names = [e["name"] for e in delta["entries"]]
+    assert "model.embed_tokens.weight" in delta_names and "lm_head.weight" not in delta_names
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= {e["name"] for e in anchor["entries"]}
+
+
+def test_frozen_tensors_are_diffed_against_the_checkpoint_copy(tmp_path):
+    model = tiny_qwen3()
+    frozen = model.model.norm.weight
+    opt = torch.optim.AdamW([p for p in model.parameters() if p is not frozen], lr=1e-3)
+    from rltune.sync.sender import DeltaPublisher
+    pub = DeltaPublisher(model, opt, tmp_path, interval=10, run_id="r", chunk_elements=500)
+    m0 = pub.publish(0)
+    assert "model.norm.weight" in pub.static_names
+    ids = torch.randint(0, 128, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    pub.step()
+    with torch.no_grad():
+        frozen[:5] += 0.5  # e.g. an EMA or a buffer updated outside the optimizer: published, not an error
+    m1 = pub.publish(1)
+    delta, _ = fmt.read_part_header(tmp_path / fmt.step_dir_name(1) / "rank-00000.delta")
+    entry = next(e for e in delta["entries"] if e["name"] == "model.norm.weight")
+    assert entry["changes"] == 5
+    cfg = engine_cfg(type("T", (), {"model": model})())
+    engine, rx = make_receiver(tmp_path, cfg, m0)
+    rx.apply(0)
+    rx.apply(1)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    assert_same_params(engine, reference_engine(cfg, state))
+    assert m1["kind"] == "delta"
+
+
+def test_old_chains_are_pruned_only_after_a_newer_anchor_was_complete_one_broadcast_earlier(tmp_path):
+    tr = Trainer(tmp_path, interval=3)
+    tr.pub.publish(0)
+    present = []
+    for s in range(1, 8):
+        tr.train_step()
+        tr.pub.publish(s)
+        present.append(BroadcastStore(tmp_path).complete_steps())
+    assert present[2] == [0, 1, 2, 3]         # anchor 3 just completed: chain 0..2 kept
+    assert present[3] == [3, 4]               # one broadcast later it goes
+    assert present[5] == [3, 4, 5, 6]
+    assert present[6] == [6, 7]
+    assert not any(n.startswith(".") for n in os.listdir(tmp_path / fmt.step_dir_name(7)))  # no temp files left
+
+
+def test_two_trainer_ranks_write_their_own_slices_without_a_gather(tmp_path):
+    ranks = [Trainer(tmp_path, interval=2, rank=r, world=2) for r in (1, 0)]  # same seed: replicas
+    for tr in ranks:
+        m0 = tr.pub.publish(0)  # rank 1 first: rank 0 finalizes once both summaries exist
+    for s in (1, 2, 3):
+        for tr in ranks:
+            tr.train_step()
+            m = tr.pub.publish(s)
+    assert m["world"] == 2 and [p["rank"] for p in m["parts"]] == [0, 1]
+    h1, _ = fmt.read_part_header(tmp_path / fmt.step_dir_name(2) / "rank-00001.anchor")
+    emb = next(e for e in h1["entries"] if e["name"] == "model.embed_tokens.weight")
+    assert (emb["start"], emb["stop"]) == (64 * 32, 128 * 32)  # rows 64..127 of 128
+    cfg = engine_cfg(ranks[1])
+    engine, rx = make_receiver(tmp_path, cfg, m0)
+    assert rx.load_latest().step == 3
+    assert_same_params(engine, reference_engine(cfg, ranks[1].wire_state()))
