@@ -166,8 +166,12 @@ def record_to_row(record: CaseRecord) -> dict[str, Any]:
     return row
 
 
-def row_to_record(row: dict[str, Any], where: str) -> CaseRecord:
-    """Rebuild and validate a record from a flat row; nulls in family columns mean 'absent'."""
+def row_to_record(row: dict[str, Any], where: str, *, json_memo: dict[str, Any] | None = None) -> CaseRecord:
+    """Rebuild and validate a record from a flat row; nulls in family columns mean 'absent'.
+
+    ``json_memo`` (text -> decoded value) is shared across the rows of one library load: knob
+    values repeat, and each distinct text is decoded once. Only immutable values are memoised.
+    """
     for name, _, nullable, _ in FIXED_COLUMNS:
         if row.get(name) is None and not nullable:
             raise MissingFieldError(where, name, "missing value")
@@ -179,10 +183,16 @@ def row_to_record(row: dict[str, Any], where: str) -> CaseRecord:
         if family == "fact":
             facts[name] = value
         elif family == "knob":
+            if json_memo is not None and value in json_memo:
+                knobs[name] = json_memo[value]
+                continue
             try:
-                knobs[name] = json.loads(value)
+                decoded = json.loads(value)
             except (TypeError, ValueError):
                 raise WrongTypeError(where, column, f"expected a JSON value, found {value!r}") from None
+            knobs[name] = decoded
+            if json_memo is not None and isinstance(decoded, (str, int, float, bool)):
+                json_memo[value] = decoded
         elif family == "measured":
             measured[name] = float(value)
         elif family == "forecast":

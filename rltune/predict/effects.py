@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rltune.predict.setup import setup_from_case
+from rltune.predict.setup import Setup, setup_from_case
 from rltune.predict.theory import measured_stages
 
 if TYPE_CHECKING:
@@ -62,6 +62,26 @@ class KnobEffects:
             self._memo[memo_key] = found
         return self._memo[memo_key]
 
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON form (tuple keys as lists), for the cache beside the library."""
+        return {
+            "by_job": [[list(k[0]), *k[1:], v] for k, v in self.by_job.items()],
+            "by_setting": [[*k, v] for k, v in self.by_setting.items()],
+            "slopes": [[None if k[0] is None else list(k[0]), k[1], v] for k, v in self.slopes.items()],
+            "repeat_noise": self.repeat_noise, "repeat_groups": self.repeat_groups,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> KnobEffects:
+        out = cls(repeat_noise=float(data["repeat_noise"]), repeat_groups=int(data["repeat_groups"]))
+        for identity, name, a, b, samples in data["by_job"]:
+            out.by_job[(tuple(identity), name, a, b)] = samples
+        for name, a, b, samples in data["by_setting"]:
+            out.by_setting[(name, a, b)] = samples
+        for identity, name, samples in data["slopes"]:
+            out.slopes[(None if identity is None else tuple(identity), name)] = samples
+        return out
+
     def elasticity(self, setting: str, identity: tuple | None = None) -> dict[str, float] | None:
         """Median d log(time) / d log(value) per measure over pairs of a numeric setting."""
         samples = self.slopes.get((identity, setting)) or self.slopes.get((None, setting))
@@ -86,14 +106,17 @@ def _summarise(samples: list[dict[str, float]], same_job: bool, noise: float) ->
     return Effect(mean, spread, len(samples), same_job)
 
 
-def knob_effects(cases: Sequence[CaseRecord]) -> KnobEffects:
-    """Learn single-setting effects from every pair of ok cases that differ in one setting."""
+def knob_effects(cases: Sequence[CaseRecord], *, setups: Sequence[Setup] | None = None) -> KnobEffects:
+    """Learn single-setting effects from every pair of ok cases that differ in one setting.
+
+    ``setups`` (``setup_from_case`` of each case, in order) saves rebuilding them when the caller has them.
+    """
     groups: dict[tuple, list[CaseRecord]] = defaultdict(list)
     settings_of: dict[tuple, dict[str, Any]] = {}
-    for case in cases:
+    for index, case in enumerate(cases):
         if case.status != "ok":
             continue
-        setup = setup_from_case(case)
+        setup = setups[index] if setups is not None else setup_from_case(case)
         settings = setup.settings()
         full = (setup.identity(), tuple(sorted((k, _key(v)) for k, v in settings.items())))
         groups[full].append(case)

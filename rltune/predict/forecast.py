@@ -73,54 +73,84 @@ MIN_CALIBRATION_FORECASTS = 8
 
 
 class _SettingMatrix:
-    """Settings of every case as arrays, so one target's distance to 1,000 cases is a few numpy ops."""
+    """Settings of every case as 2-D arrays, so one target's distance to 1,000 cases is a few numpy ops.
+
+    ``codes[i, j]`` is case i's value of setting j as an integer code (-1: the case lacks it),
+    ``logs[i, j]`` its log2 when it is a positive number (NaN otherwise). :meth:`distances`
+    reproduces :func:`rltune.predict.setup.distance` for every case at once.
+    """
 
     def __init__(self, setups: Sequence[Setup]):
         self.n = len(setups)
-        self.columns: dict[str, tuple[np.ndarray, np.ndarray, dict[str, int]]] = {}
         all_settings = [s.settings() for s in setups]
-        names = sorted({k for s in all_settings for k in s})
-        for name in names:
-            values = [s.get(name) for s in all_settings]
-            codes_of: dict[str, int] = {}
-            codes = np.asarray([-1 if v is None else codes_of.setdefault(repr(v), len(codes_of)) for v in values])
-            logs = np.asarray([math.log2(v) if _positive(v) else np.nan for v in values])
-            self.columns[name] = (codes, logs, codes_of)
+        self.names = sorted({k for s in all_settings for k in s})
+        self.column = {name: j for j, name in enumerate(self.names)}
+        self.codes_of: list[dict[str, int]] = [{} for _ in self.names]
+        self.first_value: list[Any] = [None] * len(self.names)
+        codes = np.full((self.n, len(self.names)), -1, dtype=np.int32)
+        logs = np.full((self.n, len(self.names)), np.nan)
+        for i, settings in enumerate(all_settings):
+            for name, value in settings.items():
+                if value is None:
+                    continue
+                j = self.column[name]
+                table = self.codes_of[j]
+                text = repr(value)
+                code = table.get(text)
+                if code is None:
+                    code = table[text] = len(table)
+                    if self.first_value[j] is None:
+                        self.first_value[j] = value
+                codes[i, j] = code
+                if _positive(value):
+                    logs[i, j] = math.log2(value)
+        self.codes, self.logs = codes, logs
+        self.missing = codes < 0
+        self.numeric = ~np.isnan(logs)
+        identities: dict[tuple, int] = {}
         self.identity = [s.identity() + (s.rl_mode,) for s in setups]
+        self.identity_code = np.asarray([identities.setdefault(k, len(identities)) for k in self.identity], dtype=np.int64)
+        self.identity_codes = identities
 
     def distances(self, target: Setup) -> np.ndarray:
-        d = np.zeros(self.n)
+        m = len(self.names)
+        if self.n == 0:
+            return np.zeros(0)
         target_settings = target.settings()
-        for name, (codes, logs, codes_of) in self.columns.items():
+        code = np.full(m, -3, dtype=np.int32)  # -3: the target lacks the setting; never equals a case code
+        weight = np.empty(m)
+        numeric_target = np.zeros(m, dtype=bool)
+        target_log = np.zeros(m)
+        absent_weight = np.empty(m)  # what a setting present on one side only adds
+        for j, name in enumerate(self.names):
             value = target_settings.get(name)
-            kind, weight = setting_weight(name, value if value is not None else _first(codes_of))
-            missing = codes < 0
-            if value is None:
-                d += np.where(missing, 0.0, weight if kind == "cat" else 2 * weight)
-                continue
-            code = codes_of.get(repr(value), -2)
-            add = np.where(codes == code, 0.0, weight)
-            if kind == "num" and _positive(value):
-                numeric = ~np.isnan(logs)
-                add = np.where(numeric & (codes != code), weight * np.abs(np.nan_to_num(logs) - math.log2(value)), add)
-            add = np.where(missing, weight if kind == "cat" else 2 * weight, add)
-            d += add
+            kind, w = setting_weight(name, value if value is not None else self.first_value[j])
+            weight[j] = w
+            absent_weight[j] = w if kind == "cat" else 2 * w
+            if value is not None:
+                code[j] = self.codes_of[j].get(repr(value), -2)
+                if kind == "num" and _positive(value):
+                    numeric_target[j] = True
+                    target_log[j] = math.log2(value)
+        equal = self.codes == code
+        add = np.where(equal, 0.0, weight)
+        with np.errstate(invalid="ignore"):
+            graded = weight * np.abs(self.logs - target_log)
+        add = np.where(numeric_target & self.numeric & ~equal, graded, add)
+        present = code != -3
+        add = np.where(present, add, absent_weight)  # the target lacks it, the case has it
+        add = np.where(self.missing, np.where(present, absent_weight, 0.0), add)
+        d = add.sum(axis=1)
         for name, value in target_settings.items():
-            if name not in self.columns:
-                kind, weight = setting_weight(name, value)
-                d += weight if kind == "cat" else 2 * weight
+            if name not in self.column and value is not None:
+                kind, w = setting_weight(name, value)
+                d += w if kind == "cat" else 2 * w
         return d
 
-
-def _first(codes_of: dict[str, int]) -> Any:
-    import ast
-
-    for text in codes_of:
-        try:
-            return ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            return text
-    return None
+    def same_identity(self, target: Setup) -> np.ndarray:
+        """Mask of the cases of the same job (identity and RL mode) as the target."""
+        code = self.identity_codes.get(target.identity() + (target.rl_mode,), -1)
+        return self.identity_code == code
 
 
 def _positive(x: Any) -> bool:
@@ -145,71 +175,98 @@ class Prepared:
         """Theory seconds per stage of one setup, memoised (anchor search asks for the same ones often)."""
         if self._theory_memo is None:
             self._theory_memo = {}
-        key = repr(sorted(setup.settings().items(), key=lambda kv: kv[0]))
+        key = _theory_key(setup)
         if key not in self._theory_memo:
             self._theory_memo[key] = self.theory.stages(setup)
         return self._theory_memo[key]
+
+    def remember_theory(self, setups: Sequence[Setup]) -> None:
+        """Compute the theory of many setups in one vectorised pass (the targets of a candidate list)."""
+        if self._theory_memo is None:
+            self._theory_memo = {}
+        todo = {}
+        for setup in setups:
+            key = _theory_key(setup)
+            if key not in self._theory_memo:
+                todo[key] = setup
+        if todo:
+            many = self.theory.stages_many(list(todo.values()))
+            for i, key in enumerate(todo):
+                self._theory_memo[key] = {stage: float(values[i]) for stage, values in many.items()}
 
     def theory_ratio(self, target: Setup, case: Setup) -> dict[str, float]:
         t, c = self.theory_stages(target), self.theory_stages(case)
         return {s: t[s] / c[s] if c[s] > 0 else 1.0 for s in STAGES}
 
 
+def _theory_key(setup: Setup) -> str:
+    return repr(sorted(setup.settings().items(), key=lambda kv: kv[0]))
+
+
 def prepare(cases: Sequence[CaseRecord], theory: TheoryModel | None = None, *, fit: bool = True,
             cache_dir: str | os.PathLike | None = None) -> Prepared:
     """Fit the theory to the ok cases (unless ``fit`` is False) and learn knob effects.
 
-    The fit depends only on the library's cases, so it is cached: in memory, and -- given
-    ``cache_dir`` (the library directory) -- in ``_theory.json`` there, keyed by a hash of the
-    cases. Appending a case changes the key, and the next forecast refits.
+    Both depend only on the library's cases, so they are learned once per library: kept in
+    memory, and -- given ``cache_dir`` (the library directory) -- in ``_model.json`` there, keyed
+    by a hash of the cases and of the code's cache format. Appending a case changes the key; the
+    next forecast learns again.
     """
     ok = [c for c in cases if c.status == "ok"]
     model = theory or TheoryModel()
-    if fit and ok:
-        model = _fitted(model, ok, cache_dir)
     setups = [setup_from_case(c) for c in ok]
+    if ok:
+        model, effects = _learned(model, ok, setups, cache_dir, fit)
+    else:
+        effects = knob_effects(ok)
     return Prepared(
-        cases=ok, setups=setups, theory=model, effects=knob_effects(ok),
+        cases=ok, setups=setups, theory=model, effects=effects,
         case_theory=model.stages_many(setups) if setups else {s: np.zeros(0) for s in STAGES},
         matrix=_SettingMatrix(setups), range_scale=range_calibration(ok), modelled=modelled_settings(),
     )
 
 
-_FIT_CACHE: dict[str, TheoryModel] = {}
-THEORY_CACHE_NAME = "_theory.json"
+_LEARNED_CACHE: dict[str, tuple[TheoryModel, KnobEffects]] = {}
+_FIT_CACHE = _LEARNED_CACHE  # older name, still cleared by callers that want a cold start
+MODEL_CACHE_NAME = "_model.json"
+THEORY_CACHE_NAME = MODEL_CACHE_NAME
+MODEL_CACHE_FORMAT = 2  # bump when the fit or the effects change meaning: old caches are then refit
 
 
-def _fit_key(model: TheoryModel, cases: Sequence[CaseRecord]) -> str:
+def _learned_key(model: TheoryModel, cases: Sequence[CaseRecord], fit: bool) -> str:
     from rltune.predict.theory import TERMS
 
     h = hashlib.sha256()
-    h.update(json.dumps([model.coefficients, sorted((t.stage, t.name) for t in TERMS)], sort_keys=True).encode())
-    for c in sorted(cases, key=lambda c: c.run_id):
-        h.update(json.dumps([c.run_id, c.finished_at, c.measured], sort_keys=True).encode())
+    h.update(json.dumps([MODEL_CACHE_FORMAT, fit, model.coefficients, sorted((t.stage, t.name) for t in TERMS)], sort_keys=True).encode())
+    # A run id is in the library at most once with one content, so id, finish time and medians identify a case.
+    h.update(json.dumps(sorted([c.run_id, c.finished_at, c.measured] for c in cases), sort_keys=True).encode())
     return h.hexdigest()
 
 
-def _fitted(model: TheoryModel, cases: Sequence[CaseRecord], cache_dir: str | os.PathLike | None) -> TheoryModel:
-    key = _fit_key(model, cases)
-    if key in _FIT_CACHE:
-        return _FIT_CACHE[key]
-    path = Path(cache_dir) / THEORY_CACHE_NAME if cache_dir is not None else None
+def _learned(model: TheoryModel, cases: Sequence[CaseRecord], setups: Sequence[Setup], cache_dir: str | os.PathLike | None,
+             fit: bool) -> tuple[TheoryModel, KnobEffects]:
+    key = _learned_key(model, cases, fit)
+    if key in _LEARNED_CACHE:
+        return _LEARNED_CACHE[key]
+    path = Path(cache_dir) / MODEL_CACHE_NAME if cache_dir is not None else None
     if path is not None and path.exists():
         try:
             stored = json.loads(path.read_text(encoding="utf-8"))
             if stored.get("key") == key:
-                fitted = TheoryModel(stored["coefficients"], stored["fitted_on"])
-                _FIT_CACHE[key] = fitted
-                return fitted
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # a damaged cache is only a slower forecast: refit below and overwrite it
-    fitted = model.fit(cases)
-    _FIT_CACHE[key] = fitted
+                learned = (TheoryModel(stored["coefficients"], stored["fitted_on"]), KnobEffects.from_json(stored["effects"]))
+                _LEARNED_CACHE[key] = learned
+                return learned
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # a damaged cache is only a slower forecast: learn again below and overwrite it
+    fitted = model.fit(cases, setups=setups) if fit else model
+    learned = (fitted, knob_effects(cases, setups=setups))
+    _LEARNED_CACHE[key] = learned
     if path is not None and os.access(path.parent, os.W_OK):
         from rltune.contracts.schema import atomic_write_text
 
-        atomic_write_text(path, json.dumps({"key": key, "coefficients": fitted.coefficients, "fitted_on": fitted.fitted_on}))
-    return fitted
+        atomic_write_text(path, json.dumps({"format": MODEL_CACHE_FORMAT, "key": key, "coefficients": fitted.coefficients,
+                                            "fitted_on": fitted.fitted_on, "effects": learned[1].to_json()}))
+    return learned
 
 
 def range_calibration(cases: Sequence[CaseRecord]) -> float:
@@ -311,9 +368,8 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool)
 
 
 def _anchor(p: Prepared, target: Setup, distances: np.ndarray) -> _Estimate | None:
-    key = target.identity() + (target.rl_mode,)
-    near = np.flatnonzero(distances <= MAX_ANCHOR_DISTANCE)
-    same = [int(i) for i in near[np.argsort(distances[near], kind="stable")] if p.matrix.identity[i] == key]
+    near = np.flatnonzero((distances <= MAX_ANCHOR_DISTANCE) & p.matrix.same_identity(target))
+    same = [int(i) for i in near[np.argsort(distances[near], kind="stable")]]
     qualified = []
     for i in same[:MAX_ANCHOR_CANDIDATES]:
         stages, step, var, uncertain, load, n_adjust = _adjust(p, int(i), target, use_theory_for_all=False)
@@ -336,7 +392,8 @@ def _anchor(p: Prepared, target: Setup, distances: np.ndarray) -> _Estimate | No
 
 
 def _similar(p: Prepared, target: Setup, distances: np.ndarray) -> _Estimate | None:
-    order = [int(i) for i in np.argsort(distances, kind="stable") if distances[i] <= MAX_SIMILAR_DISTANCE][:MAX_SIMILAR_CASES]
+    near = np.flatnonzero(distances <= MAX_SIMILAR_DISTANCE)
+    order = [int(i) for i in near[np.argsort(distances[near], kind="stable")][:MAX_SIMILAR_CASES]]
     if not order:
         return None
     scores = np.asarray([score(float(distances[i])) for i in order])
@@ -408,10 +465,13 @@ def forecast_candidates(job: JobSpec, candidates: Candidates, library: CaseLibra
         as_cases(library if isinstance(library, CaseLibrary) else list(library)), theory,
         cache_dir=library.path if isinstance(library, CaseLibrary) and library.path.is_dir() else None)
     base_knobs = {**job.knobs, **(baseline_knobs if baseline_knobs is not None else candidates.baseline_knobs)}
-    baseline = forecast_prepared(p, setup_from_job(job, base_knobs), "baseline", {})
+    base_setup = setup_from_job(job, base_knobs)
+    targets = [setup_from_job(job, {**base_knobs, **cand.overrides}) for cand in candidates.candidates]
+    p.remember_theory([base_setup, *targets])
+    baseline = forecast_prepared(p, base_setup, "baseline", {})
     forecasts = []
-    for cand in candidates.candidates:
-        fc = forecast_prepared(p, setup_from_job(job, {**base_knobs, **cand.overrides}), cand.id, cand.overrides)
+    for cand, target in zip(candidates.candidates, targets, strict=True):
+        fc = forecast_prepared(p, target, cand.id, cand.overrides)
         finish(fc, baseline.step_s, job.limits.min_forecast_gain_pct)
         forecasts.append(fc)
     forecasts.sort(key=lambda f: (f.step_s, f.candidate))

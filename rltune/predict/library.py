@@ -146,10 +146,12 @@ class CaseLibrary:
         by_key: dict[str, dict[str, Any]] = {}
         records: list[CaseRecord] = []
         changed = len(index) != len(entries)
+        json_memo: dict[str, Any] = {}
+        base = str(self.path)
         for name in sorted(entries):
             key = entries[name]
             row = index.get(key)
-            where = str(self.path / name)
+            where = os.path.join(base, name)
             if row is None:
                 changed = True
                 try:
@@ -163,7 +165,7 @@ class CaseLibrary:
                 row = record_to_row(record)
             else:
                 try:
-                    record = row_to_record(row, where)
+                    record = row_to_record(row, where, json_memo=json_memo)
                 except ArtifactError as exc:
                     self._skip(where, str(exc))
                     continue

@@ -81,13 +81,19 @@ class Setup:
     gpus: int
     facts: dict[str, Any] = field(default_factory=dict)
     knobs: dict[str, Any] = field(default_factory=dict)
+    # settings() is asked for thousands of times per forecast; a Setup is not changed after it is
+    # made (with_knobs / with_setting return copies), so the dict is built once and shared.
+    _settings: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
+    _identity: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def rl_mode(self) -> str:
         return str(self.knobs.get("rl_mode", "sync"))
 
     def settings(self) -> dict[str, Any]:
-        """Every comparable setting: identity, facts (batch = tasks x trials) and knobs."""
+        """Every comparable setting: identity, facts (batch = tasks x trials) and knobs. Read-only (shared)."""
+        if self._settings is not None:
+            return self._settings
         facts = self.facts
         out: dict[str, Any] = {"model": self.model, "workload": self.workload, "device": self.device, "gpus": self.gpus}
         if "tasks_per_batch" in facts and "trials_per_task" in facts:
@@ -97,12 +103,15 @@ class Setup:
                 out[name] = facts[name]
         for name, value in self.knobs.items():
             out[name] = value
+        self._settings = out
         return out
 
     def identity(self) -> tuple:
         """Runs with equal identity and RL mode are 'the same job' and may anchor each other."""
-        s = self.settings()
-        return (self.job, *(s.get(k) for k in IDENTITY[1:]))
+        if self._identity is None:
+            s = self.settings()
+            self._identity = (self.job, *(s.get(k) for k in IDENTITY[1:]))
+        return self._identity
 
     def with_knobs(self, **changes: Any) -> Setup:
         return Setup(self.job, self.model, self.workload, self.device, self.gpus, dict(self.facts), {**self.knobs, **changes})

@@ -331,20 +331,25 @@ class TheoryModel:
         both = self.stages_many([target, case])
         return {stage: float(v[0] / v[1]) if v[1] > 0 else 1.0 for stage, v in both.items()}
 
-    def fit(self, cases: Sequence[CaseRecord], prior_weight: float = 0.1) -> TheoryModel:
-        """A new model with coefficients fitted to the ok cases (least squares on log-times)."""
+    def fit(self, cases: Sequence[CaseRecord], prior_weight: float = 0.1, *, setups: Sequence[Setup] | None = None) -> TheoryModel:
+        """A new model with coefficients fitted to the ok cases (least squares on log-times).
+
+        ``setups`` (``setup_from_case`` of each case, in order) saves rebuilding them when the caller has them.
+        """
         from scipy.optimize import least_squares
 
         fitted = TheoryModel(dict(self.coefficients), dict(self.fitted_on))
-        groups: dict[str, list[CaseRecord]] = {}
-        for case in cases:
+        groups: dict[str, list[tuple[CaseRecord, Setup]]] = {}
+        for index, case in enumerate(cases):
             if case.status == "ok":
-                groups.setdefault(device_class(case.device), []).append(case)
-        for cls, group in groups.items():
-            if len(group) > MAX_FIT_CASES:  # an even spread over time bounds the cost on large libraries
-                step = len(group) / MAX_FIT_CASES
-                group = [group[int(i * step)] for i in range(MAX_FIT_CASES)]
-            f = Features([setup_from_case(c) for c in group])
+                setup = setups[index] if setups is not None else setup_from_case(case)
+                groups.setdefault(device_class(case.device), []).append((case, setup))
+        for cls, pairs in groups.items():
+            if len(pairs) > MAX_FIT_CASES:  # an even spread over time bounds the cost on large libraries
+                step = len(pairs) / MAX_FIT_CASES
+                pairs = [pairs[int(i * step)] for i in range(MAX_FIT_CASES)]
+            group = [c for c, _ in pairs]
+            f = Features([s for _, s in pairs])
             per_case = [measured_stages(c) for c in group]
             measured = {stage: np.asarray([m[stage] for m in per_case]) for stage in STAGES}
             start = self.coefficients_for("cpu" if cls == "cpu" else "gpu")

@@ -166,3 +166,55 @@ def test_evaluate_uses_only_runs_finished_before_each_start(tmp_path):
 def test_evaluate_of_an_empty_library_reports_nothing(tmp_path):
     report = evaluate(tmp_path)
     assert (report.runs, report.evaluated, report.median_abs_error_pct, report.range_coverage) == (0, 0, None, None)
+
+
+def test_vectorised_distances_equal_the_one_by_one_definition():
+    """The setting matrix must reproduce setup.distance for every case: equal, numeric, categorical, missing on either side."""
+    from rltune.predict.forecast import _SettingMatrix
+    from rltune.predict.setup import distance
+
+    cases = [make_case("a", rollout=1, training=1, weight_sync=0.1),
+             make_case("b", rollout=1, training=1, weight_sync=0.1, knobs={"micro_batch_size": 2, "mtp": True}),
+             make_case("c", rollout=1, training=1, weight_sync=0.1, knobs={"engine_batching": "static", "odd_knob": 3}),
+             make_case("d", rollout=1, training=1, weight_sync=0.1, knobs={"odd_flag": "x", "packing": True}, facts={"tasks_per_batch": 16.0}),
+             make_case("e", rollout=1, training=1, weight_sync=0.1, device="H200", gpus=8, workload="tool_use")]
+    setups = [setup_from_case(c) for c in cases]
+    matrix = _SettingMatrix(setups)
+    base = setups[0]
+    targets = [base, base.with_knobs(micro_batch_size=3), base.with_knobs(micro_batch_size=None, mtp=False),
+               base.with_knobs(odd_knob=12, new_knob="y"), base.with_knobs(odd_flag=None, packing=True), setups[4],
+               base.with_setting("batch", 128.0), base.with_knobs(micro_batch_size=0, engine_max_concurrency=True)]
+    for target in targets:
+        want = [distance(target, s) for s in setups]
+        assert matrix.distances(target) == pytest.approx(want, abs=1e-12)
+        assert any(w > 0 for w in want)
+    assert list(matrix.same_identity(base)) == [True, True, True, False, False]
+
+
+def test_learned_model_is_cached_beside_the_library_and_relearned_after_an_append(tmp_path, monkeypatch):
+    from rltune.predict import forecast as forecast_module
+    from rltune.predict.library import CaseLibrary
+
+    lib = CaseLibrary(tmp_path)
+    for i, mb in enumerate((2, 8, 32)):
+        lib.append(make_case(f"mb{mb}", rollout=1.0, training=4.0 * (8 / mb) ** 0.5, weight_sync=0.1, knobs={"micro_batch_size": mb}, t=i))
+    forecast_module._LEARNED_CACHE.clear()
+    first = prepare(lib.load(), cache_dir=tmp_path)
+    assert (tmp_path / forecast_module.MODEL_CACHE_NAME).exists()
+    forecast_module._LEARNED_CACHE.clear()  # a fresh process: only the file is left
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the theory was refit although the library did not change")
+
+    monkeypatch.setattr(TheoryModel, "fit", refuse)
+    again = prepare(lib.load(), cache_dir=tmp_path)
+    assert again.theory.coefficients == first.theory.coefficients
+    assert again.effects.lookup("micro_batch_size", 2, 8).log_ratio == first.effects.lookup("micro_batch_size", 2, 8).log_ratio
+    assert again.effects.elasticity("micro_batch_size") == first.effects.elasticity("micro_batch_size")
+    lib.append(make_case("mb4", rollout=1.0, training=2.0, weight_sync=0.1, knobs={"micro_batch_size": 4}, t=9))
+    with pytest.raises(AssertionError, match="refit"):
+        prepare(lib.load(), cache_dir=tmp_path)
+    (tmp_path / forecast_module.MODEL_CACHE_NAME).write_text("{not json", encoding="utf-8")
+    monkeypatch.undo()
+    forecast_module._LEARNED_CACHE.clear()
+    assert prepare(lib.load(), cache_dir=tmp_path).theory.fitted_on == {"cpu": 4}  # a damaged cache is relearned
