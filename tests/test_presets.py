@@ -8,11 +8,13 @@ import pytest
 
 from rltune.contracts.job import load_job
 from rltune.contracts.knowledge import load_knowledge
+from rltune.sync.bench import load_sync_bench_config
 from rltune.workload.config import load_workload_config
 
 PRESETS = Path(__file__).resolve().parents[1] / "presets"
 ALL = sorted(p for p in PRESETS.rglob("*") if p.is_file())
 WORKLOAD_CONFIGS = sorted((PRESETS / "workload").glob("*.yaml"))
+SYNC_BENCH = sorted((PRESETS / "sync").glob("*.yaml"))
 JOBS = sorted(PRESETS.glob("*.yaml")) + sorted((PRESETS / "tuned").glob("*.yaml"))
 JOBS = [p for p in JOBS if p.name != "knowledge.yaml"]
 # Knobs of the reference workload (the brief's canonical list) and where they live in its config.
@@ -22,9 +24,15 @@ REFERENCE_KNOBS = {"rl_mode", "max_sample_age", "micro_batch_size", "packing", "
 
 
 def test_every_preset_file_has_a_loader():
-    known = set(WORKLOAD_CONFIGS) | set(JOBS) | {PRESETS / "knowledge.yaml"}
+    known = set(WORKLOAD_CONFIGS) | set(JOBS) | set(SYNC_BENCH) | {PRESETS / "knowledge.yaml"}
     assert [p for p in ALL if p not in known] == []
     assert len(JOBS) >= 3 and len(WORKLOAD_CONFIGS) >= 2
+
+
+@pytest.mark.parametrize("path", SYNC_BENCH, ids=lambda p: p.name)
+def test_sync_bench_preset_loads(path):
+    cfg = load_sync_bench_config(path)
+    assert cfg.steps >= 1
 
 
 @pytest.mark.parametrize("path", WORKLOAD_CONFIGS, ids=lambda p: p.name)
