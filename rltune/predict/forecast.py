@@ -175,7 +175,7 @@ class Prepared:
         """Theory seconds per stage of one setup, memoised (anchor search asks for the same ones often)."""
         if self._theory_memo is None:
             self._theory_memo = {}
-        key = _theory_key(setup)
+        key = setup.key()
         if key not in self._theory_memo:
             self._theory_memo[key] = self.theory.stages(setup)
         return self._theory_memo[key]
@@ -186,7 +186,7 @@ class Prepared:
             self._theory_memo = {}
         todo = {}
         for setup in setups:
-            key = _theory_key(setup)
+            key = setup.key()
             if key not in self._theory_memo:
                 todo[key] = setup
         if todo:
@@ -197,10 +197,6 @@ class Prepared:
     def theory_ratio(self, target: Setup, case: Setup) -> dict[str, float]:
         t, c = self.theory_stages(target), self.theory_stages(case)
         return {s: t[s] / c[s] if c[s] > 0 else 1.0 for s in STAGES}
-
-
-def _theory_key(setup: Setup) -> str:
-    return repr(sorted(setup.settings().items(), key=lambda kv: kv[0]))
 
 
 def prepare(cases: Sequence[CaseRecord], theory: TheoryModel | None = None, *, fit: bool = True,
@@ -303,8 +299,15 @@ def _overhead(case: CaseRecord) -> float:
     return case.step_s / combined if combined > 0 else 1.0
 
 
-def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool) -> tuple[dict[str, float], float, float, list[str], float, int]:
-    """Move case ``index`` to the target: (stages, step, sigma^2 of adjustments, uncertain, load, adjustments)."""
+def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool,
+            collect: list[Setup] | None = None) -> tuple[dict[str, float], float, float, list[str], float, int]:
+    """Move case ``index`` to the target: (stages, step, sigma^2 of adjustments, uncertain, load, adjustments).
+
+    With ``collect`` the setups whose theory the move needs are appended there and the theory is
+    not evaluated (the result is then meaningless): the caller computes them all in one vectorised
+    pass (:meth:`Prepared.remember_theory`) and calls again. Which setups are needed depends only
+    on the settings and the measured effects, never on the times.
+    """
     case, setup = p.cases[index], p.setups[index]
     stages = _case_stages(case)
     step = case.step_s
@@ -327,14 +330,24 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool)
         if use_theory_for_all and name in p.modelled:
             continue  # already scaled by theory(target) / theory(case)
         if effect is not None:
+            before = combine(current.rl_mode, *(stages[s] for s in STAGES))[0]
             for s in STAGES:
                 stages[s] = (stages[s] + EPS_S) * math.exp(effect.log_ratio[s]) - EPS_S
-            step = (step + EPS_S) * math.exp(effect.log_ratio["step"]) - EPS_S
+            if effect.same_job:  # this job measured the change on its step directly
+                step = (step + EPS_S) * math.exp(effect.log_ratio["step"]) - EPS_S
+            else:  # another job's stage ratios transfer; its step ratio does not (the stages weigh differently here)
+                mode = str(b) if name == "rl_mode" else current.rl_mode
+                after = combine(mode, *(max(stages[s], 0.0) for s in STAGES))[0]
+                step = step * (after / before if before > 0 else 1.0)
             var += effect.spread ** 2
             current = current.with_setting(name, b)
             continue
         if name in p.modelled and not use_theory_for_all:
             moved = current.with_setting(name, b)
+            if collect is not None:
+                collect += (moved, current)
+                current = moved
+                continue
             ratio = p.theory_ratio(moved, current)
             before = combine(moved.rl_mode, *(stages[s] for s in STAGES))[0]
             stages = {s: stages[s] * ratio[s] for s in STAGES}
@@ -369,9 +382,13 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool)
 
 def _anchor(p: Prepared, target: Setup, distances: np.ndarray) -> _Estimate | None:
     near = np.flatnonzero((distances <= MAX_ANCHOR_DISTANCE) & p.matrix.same_identity(target))
-    same = [int(i) for i in near[np.argsort(distances[near], kind="stable")]]
+    same = [int(i) for i in near[np.argsort(distances[near], kind="stable")]][:MAX_ANCHOR_CANDIDATES]
+    needed: list[Setup] = []
+    for i in same:
+        _adjust(p, i, target, use_theory_for_all=False, collect=needed)
+    p.remember_theory(needed)
     qualified = []
-    for i in same[:MAX_ANCHOR_CANDIDATES]:
+    for i in same:
         stages, step, var, uncertain, load, n_adjust = _adjust(p, int(i), target, use_theory_for_all=False)
         if load <= ANCHOR_UNCERTAINTY_BUDGET and n_adjust - len(uncertain) <= MAX_ANCHOR_ADJUSTMENTS:
             qualified.append((n_adjust, load, float(distances[i]), int(i), stages, step, var, uncertain))

@@ -85,6 +85,8 @@ class Setup:
     # made (with_knobs / with_setting return copies), so the dict is built once and shared.
     _settings: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
     _identity: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    _key: str | None = field(default=None, init=False, repr=False, compare=False)
+    _moves: dict | None = field(default=None, init=False, repr=False, compare=False)  # with_setting results, reused
 
     @property
     def rl_mode(self) -> str:
@@ -106,6 +108,12 @@ class Setup:
         self._settings = out
         return out
 
+    def key(self) -> str:
+        """A text equal for two setups exactly when all their settings are equal (a memo key)."""
+        if self._key is None:
+            self._key = repr(sorted(self.settings().items(), key=lambda kv: kv[0]))
+        return self._key
+
     def identity(self) -> tuple:
         """Runs with equal identity and RL mode are 'the same job' and may anchor each other."""
         if self._identity is None:
@@ -117,7 +125,15 @@ class Setup:
         return Setup(self.job, self.model, self.workload, self.device, self.gpus, dict(self.facts), {**self.knobs, **changes})
 
     def with_setting(self, name: str, value: Any) -> Setup:
-        """A copy with one setting changed (a knob, or a fact such as 'batch')."""
+        """A copy with one setting changed (a knob, or a fact such as 'batch'); the same change gives the same copy."""
+        if self._moves is None:
+            self._moves = {}
+        move = (name, repr(value))
+        if move not in self._moves:
+            self._moves[move] = self._with_setting(name, value)
+        return self._moves[move]
+
+    def _with_setting(self, name: str, value: Any) -> Setup:
         if name in self.knobs or name not in ("model", "workload", "device", "gpus", "batch", *self.facts):
             return self.with_knobs(**{name: value})
         new = Setup(self.job, self.model, self.workload, self.device, self.gpus, dict(self.facts), dict(self.knobs))

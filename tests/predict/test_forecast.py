@@ -218,3 +218,18 @@ def test_learned_model_is_cached_beside_the_library_and_relearned_after_an_appen
     monkeypatch.undo()
     forecast_module._LEARNED_CACHE.clear()
     assert prepare(lib.load(), cache_dir=tmp_path).theory.fitted_on == {"cpu": 4}  # a damaged cache is relearned
+
+
+def test_another_jobs_measured_change_moves_the_stages_and_the_step_follows_this_jobs_mix():
+    """Math measured micro-batch 2 doubling training (step x1.5); a rollout-heavy tool-use job's step must grow less."""
+    tool = {"job": "tiny-tool-use-cpu", "workload": "tool_use"}
+    math_base = make_case("m0", rollout=1.0, training=1.0, weight_sync=0.0, t=0)
+    math_mb2 = make_case("m1", rollout=1.0, training=2.0, weight_sync=0.0, knobs={"micro_batch_size": 2}, t=100)
+    tool_base = make_case("t0", rollout=8.0, training=1.0, weight_sync=0.0, t=200, step=9.9, **tool)  # 10 % overhead beyond the stages
+    p = prepare([math_base, math_mb2, tool_base], fit=False)
+    fc = forecast_prepared(p, target_like(tool_base, micro_batch_size=2))
+    assert fc.method == "anchor" and fc.cases[0].run_id == "t0" and fc.uncertain == []
+    assert fc.stages_s["training"] == pytest.approx(2.0, rel=1e-3) and fc.stages_s["rollout"] == pytest.approx(8.0, rel=1e-3)
+    assert fc.step_s == pytest.approx(9.9 * 10.0 / 9.0, rel=1e-3)  # not 9.9 x 1.5
+    same_job = forecast_prepared(p, target_like(math_base, micro_batch_size=2))
+    assert same_job.step_s == pytest.approx(3.0, rel=1e-6)  # the pair itself was measured: the anchor is m1
