@@ -189,7 +189,8 @@ class CaseLibrary:
         if not path.exists():
             return {}
         try:
-            table = pq.read_table(path)
+            with pq.ParquetFile(path) as handle:  # not pq.read_table: that imports pyarrow.dataset and pandas (~1 s)
+                table = handle.read()
             keys = table.column("_key").to_pylist()
             table = table.drop_columns(["_key"])
             validate_table(table, str(path), one_row=False)
