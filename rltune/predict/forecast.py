@@ -8,7 +8,8 @@ Public API::
 
 Three methods, tried in order:
 
-1. **anchor** -- a measured run of the same job (same identity and RL mode) with a similar setup.
+1. **anchor** -- a measured run of the same job (same identity and RL mode -- or another RL mode
+   where a measured pair gives that mode change) with a similar setup.
    Its measured times are adjusted for each differing setting: by the change earlier runs measured
    (:mod:`rltune.predict.effects`), else by theory (``theory(changed) / theory(case)``) if a term
    reads that setting, else by a measured elasticity of a numeric setting, else not at all -- the
@@ -70,6 +71,7 @@ MAX_SIMILAR_DISTANCE = 8.0
 RANGE_Z = 1.645  # two-sided 90 % of a normal in log space, before calibration
 THEORY_ONLY_SIGMA = 0.5
 MIN_CALIBRATION_FORECASTS = 8
+RL_MODE_SHARED_DEVICE_SIGMA = 0.4
 
 
 class _SettingMatrix:
@@ -111,6 +113,10 @@ class _SettingMatrix:
         self.identity = [s.identity() + (s.rl_mode,) for s in setups]
         self.identity_code = np.asarray([identities.setdefault(k, len(identities)) for k in self.identity], dtype=np.int64)
         self.identity_codes = identities
+        jobs: dict[tuple, int] = {}
+        self.job_code = np.asarray([jobs.setdefault(s.identity(), len(jobs)) for s in setups], dtype=np.int64)
+        self.job_codes = jobs
+        self.rl_modes = np.asarray([s.rl_mode for s in setups], dtype=object)
 
     def distances(self, target: Setup) -> np.ndarray:
         m = len(self.names)
@@ -151,6 +157,11 @@ class _SettingMatrix:
         """Mask of the cases of the same job (identity and RL mode) as the target."""
         code = self.identity_codes.get(target.identity() + (target.rl_mode,), -1)
         return self.identity_code == code
+
+    def same_job_other_mode(self, target: Setup) -> dict[str, np.ndarray]:
+        """RL mode -> mask of the cases of the same job (identity) run in that other mode."""
+        same_job = self.job_code == self.job_codes.get(target.identity(), -1)
+        return {str(mode): same_job & (self.rl_modes == mode) for mode in set(self.rl_modes[same_job].tolist()) if mode != target.rl_mode}
 
 
 def _positive(x: Any) -> bool:
@@ -333,11 +344,12 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool,
             before = combine(current.rl_mode, *(stages[s] for s in STAGES))[0]
             for s in STAGES:
                 stages[s] = (stages[s] + EPS_S) * math.exp(effect.log_ratio[s]) - EPS_S
-            if effect.same_job:  # this job measured the change on its step directly
+            if effect.same_job or name == "rl_mode":
+                # This job measured the change on its step directly. An RL-mode change is taken as a step
+                # ratio from any job: the mode changes what the stage columns mean (overlapped wall time).
                 step = (step + EPS_S) * math.exp(effect.log_ratio["step"]) - EPS_S
             else:  # another job's stage ratios transfer; its step ratio does not (the stages weigh differently here)
-                mode = str(b) if name == "rl_mode" else current.rl_mode
-                after = combine(mode, *(max(stages[s], 0.0) for s in STAGES))[0]
+                after = combine(current.rl_mode, *(max(stages[s], 0.0) for s in STAGES))[0]
                 step = step * (after / before if before > 0 else 1.0)
             var += effect.spread ** 2
             current = current.with_setting(name, b)
@@ -369,7 +381,9 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool,
             before = combine(str(a), *(stages[s] for s in STAGES))[0]
             after = combine(str(b), *(stages[s] for s in STAGES))[0]
             step = step * (after / before if before > 0 else 1.0)
-            var += 0.1 ** 2
+            # The rule assumes rollout and training overlap on separate devices; on a CPU-only job they
+            # share the same cores, so how much they overlap is unknown until a pair measures it.
+            var += (RL_MODE_SHARED_DEVICE_SIGMA if current.gpus == 0 else 0.1) ** 2
             current = current.with_setting(name, b)
             continue
         uncertain.append(name)
@@ -381,7 +395,13 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool,
 
 
 def _anchor(p: Prepared, target: Setup, distances: np.ndarray) -> _Estimate | None:
-    near = np.flatnonzero((distances <= MAX_ANCHOR_DISTANCE) & p.matrix.same_identity(target))
+    allowed = p.matrix.same_identity(target)
+    # A run of the same job in another RL mode may anchor only where a pair measured that mode change:
+    # the rule alone cannot say how much the stages overlap (they share devices on a CPU).
+    for mode, mask in p.matrix.same_job_other_mode(target).items():
+        if p.effects.lookup("rl_mode", mode, target.rl_mode, target.identity()) is not None:
+            allowed = allowed | mask
+    near = np.flatnonzero((distances <= MAX_ANCHOR_DISTANCE) & allowed)
     same = [int(i) for i in near[np.argsort(distances[near], kind="stable")]][:MAX_ANCHOR_CANDIDATES]
     needed: list[Setup] = []
     for i in same:

@@ -233,3 +233,24 @@ def test_another_jobs_measured_change_moves_the_stages_and_the_step_follows_this
     assert fc.step_s == pytest.approx(9.9 * 10.0 / 9.0, rel=1e-3)  # not 9.9 x 1.5
     same_job = forecast_prepared(p, target_like(math_base, micro_batch_size=2))
     assert same_job.step_s == pytest.approx(3.0, rel=1e-6)  # the pair itself was measured: the anchor is m1
+
+
+def test_rl_mode_rule_on_a_cpu_only_job_is_less_sure_than_on_gpus():
+    cpu = make_case("cpu", rollout=1.0, training=2.0, weight_sync=0.5)
+    gpu = make_case("gpu", rollout=1.0, training=2.0, weight_sync=0.5, device="H200", gpus=8)
+    widths = {}
+    for case in (cpu, gpu):
+        fc = forecast_prepared(prepare([case], fit=False), target_like(case, rl_mode="fully_async"))
+        assert fc.method == "similar" and fc.step_s == pytest.approx(2.5, rel=1e-6)  # no pair measured the mode change
+        widths[case.run_id] = math.log(fc.range_s[1] / fc.range_s[0])
+    assert widths["cpu"] > 2 * widths["gpu"]
+
+
+def test_an_rl_mode_change_measured_on_another_job_moves_the_step_by_its_ratio():
+    tool = {"job": "tiny-tool-use-cpu", "workload": "tool_use"}
+    sync = make_case("m0", rollout=1.0, training=1.0, weight_sync=0.0, t=0)
+    overlapped = make_case("m1", rollout=4.0, training=1.0, weight_sync=0.0, step=1.5, knobs={"rl_mode": "fully_async"}, t=100)
+    tool_base = make_case("t0", rollout=8.0, training=1.0, weight_sync=0.0, t=200, **tool)
+    fc = forecast_prepared(prepare([sync, overlapped, tool_base], fit=False), target_like(tool_base, rl_mode="fully_async"))
+    assert fc.method == "anchor" and fc.cases[0].run_id == "t0"
+    assert fc.step_s == pytest.approx((9.0 + 1e-3) * (1.5 + 1e-3) / (2.0 + 1e-3) - 1e-3, rel=1e-6)
