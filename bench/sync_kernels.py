@@ -199,7 +199,7 @@ def bench_step(dev, timer, total, tensors, chunk) -> dict:
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     fused = dev.type == "cuda"
-    opt = torch.optim.AdamW(params, lr=1e-5, fused=fused)
+    opt = torch.optim.AdamW(params, lr=1e-6, fused=fused)  # lr of the probe's 0.65-1.6 % bf16 steps
     plain = timer(opt.step)
     no_hook = timer(lambda: chunked_step(opt, None, chunk))
     rec = DeltaRecorder([(f"w{i}", p) for i, p in enumerate(params)], chunk, capacity_fraction=0.25)
@@ -214,6 +214,48 @@ def bench_step(dev, timer, total, tensors, chunk) -> dict:
                 chunked_step=no_hook, chunked_step_with_recorder=with_rec,
                 extra_ms=with_rec["median_ms"] - plain["median_ms"], ratio=with_rec["median_ms"] / plain["median_ms"],
                 changed_fraction=statistics.median(fractions))
+
+
+def bench_tune(dev, timer, total) -> dict:
+    """Launch configurations of the checksum and diff kernels, each timed on the same data."""
+    from rltune.sync.kernels import triton_kernels as tk
+
+    bits = as_bits(torch.randn(total, device=dev).to(torch.bfloat16))
+    new = bits.clone()
+    new[::97] ^= 1
+    saved = (tk.CHECKSUM_BLOCK, tk.CHECKSUM_TILES, tk.CHECKSUM_WARPS, tk.DIFF_BLOCK, tk.DIFF_WARPS)
+    out = dict(checksum={}, diff={})
+    try:
+        for block, tiles, warps in ((1024, 32, 4), (1024, 8, 4), (2048, 4, 8), (4096, 1, 8), (2048, 16, 8),
+                                    (4096, 4, 8), (512, 16, 4)):
+            tk.CHECKSUM_BLOCK, tk.CHECKSUM_TILES, tk.CHECKSUM_WARPS = block, tiles, warps
+            out["checksum"][f"{block}x{tiles}w{warps}"] = timer(lambda: K.checksum(bits))["median_ms"]
+        chunk = min(total, 1 << 26)
+        for block, warps in ((1024, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)):
+            tk.DIFF_BLOCK, tk.DIFF_WARPS = block, warps
+            sink = K.ChangeSink(total // 50, chunk, -(-total // chunk), dev)
+            programs = tk.diff_programs(chunk)
+            scratch = sink._scratch_for(torch.int16)
+            outs = (torch.empty(total // 50, dtype=torch.int64, device=dev),
+                    torch.empty(total // 50, dtype=torch.int32, device=dev),
+                    torch.empty(total // 50, dtype=torch.int32, device=dev))
+            starts = torch.zeros(-(-total // chunk) + 1, dtype=torch.int64, device=dev)
+
+            def both(scratch=scratch, outs=outs, starts=starts):
+                for k, a in enumerate(range(0, total, chunk)):
+                    tk.diff_extract_launch(bits[a:a + chunk], new[a:a + chunk], a, 0xFFFF, scratch, starts, k, outs,
+                                           total // 50)
+
+            def compact_only(scratch=scratch, programs=programs):
+                for a in range(0, total, chunk):
+                    tk._diff_compact_kernel[(programs,)](bits[a:a + chunk], new[a:a + chunk], chunk, a, *scratch,
+                                                        MASK=0xFFFF, BLOCK=tk.DIFF_BLOCK, num_warps=tk.DIFF_WARPS)
+
+            out["diff"][f"{block}w{warps}"] = dict(both_ms=timer(both)["median_ms"],
+                                                   compact_only_ms=timer(compact_only)["median_ms"])
+    finally:
+        (tk.CHECKSUM_BLOCK, tk.CHECKSUM_TILES, tk.CHECKSUM_WARPS, tk.DIFF_BLOCK, tk.DIFF_WARPS) = saved
+    return out
 
 
 def git_sha() -> str:
@@ -255,6 +297,8 @@ def main() -> None:
         record["checksum"] = bench_checksum(dev, timer, total)
     if "step" in sections:
         record["step"] = bench_step(dev, timer, total, 4 if args.tiny else 16, chunk)
+    if "tune" in sections and dev.type == "cuda":
+        record["tune"] = bench_tune(dev, timer, total)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
     print(json.dumps(record, indent=1))

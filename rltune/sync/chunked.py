@@ -195,7 +195,11 @@ class DeltaRecorder:
         self.sink.finish()
 
     def collect(self) -> dict[str, TensorChanges]:
-        """Wait for the step's kernels; per tensor, its changes (copied out of the reused buffers)."""
+        """Wait for the step's kernels; per tensor, its changes.
+
+        A tensor stepped in one chunk gets views into the sink's reused buffers (valid until the next
+        step); one of several chunks gets a concatenated copy.
+        """
         per_name: dict[str, list] = {}
         for chunk in self.sink.collect():
             per_name.setdefault(chunk.key, []).append(chunk)
@@ -204,8 +208,11 @@ class DeltaRecorder:
             total = 0
             for c in chunks:
                 total += c.checksum_change
-            out[name] = TensorChanges(torch.cat([c.idx_C for c in chunks]), torch.cat([c.new_C for c in chunks]),
-                                      torch.cat([c.old_C for c in chunks]), total & MASK64)
+            if len(chunks) == 1:  # views into the sink's buffers: no host copy of the step's changes
+                out[name] = TensorChanges(chunks[0].idx_C, chunks[0].new_C, chunks[0].old_C, total & MASK64)
+            else:
+                out[name] = TensorChanges(torch.cat([c.idx_C for c in chunks]), torch.cat([c.new_C for c in chunks]),
+                                          torch.cat([c.old_C for c in chunks]), total & MASK64)
         return out
 
 

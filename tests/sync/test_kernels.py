@@ -150,6 +150,23 @@ def test_fused_apply_equals_reference_with_strides_tables_and_mixed_widths(add):
     assert not torch.equal(params[0].cpu(), random_bits(rows * ncols, 16, seed=1, device="cpu"))
 
 
+@pytest.mark.parametrize("add", [True, False])
+def test_fused_apply_blocks_within_one_entry_take_the_contiguous_path_exactly(add):
+    # 3000 changes of one entry fill whole kernel blocks; the held row window skips some of them
+    params = [random_bits(60 * 100 + 50, 16, seed=1)]
+    layouts = [K.strided_layout(0, [60, 100], base=50 - 200, rows=(2, 50)), K.strided_layout(0, [50])]
+    g = torch.Generator().manual_seed(3)
+    idx = torch.cat([torch.randperm(6000, generator=g)[:3000].sort().values, torch.arange(0, 50, 7)])
+    val = random_bits(idx.numel(), 16, seed=4, device="cpu").to(torch.int32)
+    entry_tensor, offsets = torch.tensor([0, 1]), torch.tensor([0, 3000, idx.numel()])
+    ref = [params[0].cpu().clone()]
+    got = K.ApplyPlan(params, layouts, backend="triton").apply(entry_tensor, offsets, idx, val, add=add)
+    want_sums, want_written = R.apply_deltas_ref(ref, layouts, entry_tensor, offsets, idx, val, add)
+    assert got.checksums() == want_sums and got.written() == want_written
+    assert torch.equal(params[0].cpu(), ref[0])
+    assert 0 < want_written[0] < 3000
+
+
 def test_fused_apply_with_no_changes_and_one_change():
     params = [random_bits(100, 16, seed=1)]
     plan = K.ApplyPlan(params, [K.strided_layout(0, [10, 10])], backend="triton")

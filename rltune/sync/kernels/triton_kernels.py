@@ -27,8 +27,10 @@ import triton.language as tl
 # for TILES <= 128, so the inner loop is int32 only.
 CHECKSUM_BLOCK = 1024
 CHECKSUM_TILES = 32
+CHECKSUM_WARPS = 4
 
 DIFF_BLOCK = 2048
+DIFF_WARPS = 8
 DIFF_COPY = 256
 APPLY_BLOCK = 1024
 
@@ -79,7 +81,7 @@ def checksum_partials(bits_N: torch.Tensor, offset: int, mask: int) -> torch.Ten
     programs = max(1, triton.cdiv(n, per_program))
     partial_P = torch.empty(programs, dtype=torch.int64, device=bits_N.device)
     _checksum_kernel[(programs,)](bits_N, partial_P, n, offset, MASK=mask, BLOCK=CHECKSUM_BLOCK,
-                                  TILES=CHECKSUM_TILES, num_warps=4)
+                                  TILES=CHECKSUM_TILES, num_warps=CHECKSUM_WARPS)
     return partial_P
 
 
@@ -161,7 +163,7 @@ def diff_extract_launch(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offs
     programs = diff_programs(n)
     s_idx, s_new, s_old, count_P, checksum_P = scratch
     _diff_compact_kernel[(programs,)](old_bits_N, new_bits_N, n, offset, s_idx, s_new, s_old, count_P, checksum_P,
-                                      MASK=mask, BLOCK=DIFF_BLOCK, num_warps=8)
+                                      MASK=mask, BLOCK=DIFF_BLOCK, num_warps=DIFF_WARPS)
     inclusive_P = torch.cumsum(count_P[:programs], dim=0, dtype=torch.int64)
     _diff_gather_kernel[(programs,)](s_idx, s_new, s_old, count_P, inclusive_P, chunk_start, chunk, offset,
                                      out[0], out[1], out[2], capacity, programs, MASK=mask, BLOCK=DIFF_BLOCK,
@@ -172,50 +174,9 @@ def diff_extract_launch(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offs
 # --------------------------------------------------------------------------------------- fused apply
 
 
-@triton.jit(do_not_specialize=["n_changes", "n_entries", "search_steps"])
-def _apply_deltas_kernel(idx_C_ptr, val_C_ptr, n_changes: tl.int64, entry_offsets_ptr, entry_tensor_ptr,
-                         n_entries: tl.int64, search_steps: tl.int32, layout_ptr, table_ptr, address_ptr,
-                         checksum_E_ptr, written_E_ptr, WIDTH: tl.constexpr, ADD: tl.constexpr,
-                         COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    j = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = j < n_changes
-    # entry of each change: largest e with entry_offsets[e] <= j (binary search, invariant lo <= e < hi)
-    lo = tl.zeros([BLOCK], dtype=tl.int64)
-    hi = tl.zeros([BLOCK], dtype=tl.int64) + n_entries
-    for _ in range(search_steps):
-        mid = (lo + hi) // 2
-        go_right = tl.load(entry_offsets_ptr + mid, mask=live, other=0) <= j
-        lo = tl.where(go_right, mid, lo)
-        hi = tl.where(go_right, hi, mid)
-    entry = lo
-    row = tl.load(entry_tensor_ptr + entry, mask=live, other=0) * COLUMNS
-    target = tl.load(layout_ptr + row + 0, mask=live, other=0)
-    ncols = tl.load(layout_ptr + row + 1, mask=live, other=1)
-    base = tl.load(layout_ptr + row + 2, mask=live, other=0)
-    row_table = tl.load(layout_ptr + row + 9, mask=live, other=-1)
-    col_table = tl.load(layout_ptr + row + 10, mask=live, other=-1)
-    width = tl.load(layout_ptr + row + 11, mask=live, other=0)
-    idx = tl.load(idx_C_ptr + j, mask=live, other=0).to(tl.int64)
-    r = idx // ncols
-    c = idx - r * ncols
-    tabled = row_table >= 0
-    strided = live & (row_table < 0)
-    # strides: base + r * row_stride + c * col_stride inside the held window
-    row_stride = tl.load(layout_ptr + row + 3, mask=strided, other=0)
-    col_stride = tl.load(layout_ptr + row + 4, mask=strided, other=0)
-    row_lo = tl.load(layout_ptr + row + 5, mask=strided, other=0)
-    row_hi = tl.load(layout_ptr + row + 6, mask=strided, other=0)
-    col_lo = tl.load(layout_ptr + row + 7, mask=strided, other=0)
-    col_hi = tl.load(layout_ptr + row + 8, mask=strided, other=0)
-    held_strided = (r >= row_lo) & (r < row_hi) & (c >= col_lo) & (c < col_hi)
-    # tables: base + rows[r] + cols[c], -1 = not held
-    row_off = tl.load(table_ptr + row_table + r, mask=live & tabled, other=-1)
-    col_off = tl.load(table_ptr + col_table + c, mask=live & tabled, other=-1)
-    held_tabled = (row_off >= 0) & (col_off >= 0)
-    pos = tl.where(tabled, base + row_off + col_off, base + r * row_stride + c * col_stride)
-    held = live & (width == WIDTH) & tl.where(tabled, held_tabled, held_strided)
-    address = tl.load(address_ptr + target, mask=held, other=0)
+@triton.jit
+def _patch(address, pos, held, val_C_ptr, j, idx, WIDTH: tl.constexpr, ADD: tl.constexpr):
+    # write one block of changes in place; return each change's running-checksum contribution
     if WIDTH == 8:
         ptr = address.to(tl.pointer_type(tl.uint8)) + pos
     elif WIDTH == 16:
@@ -231,16 +192,85 @@ def _apply_deltas_kernel(idx_C_ptr, val_C_ptr, n_changes: tl.int64, entry_offset
     else:
         u_new = val.to(tl.int64) & mask_bits
     tl.store(ptr, u_new.to(old.dtype), mask=held)
-    contribution = tl.where(held, (idx + 1) * (u_new - u_old), 0)
-    written = held.to(tl.int64)
-    # per-entry reduction: one atomic for the block's first entry, one per change for any other entry
-    first = tl.min(tl.where(live, entry, n_entries), axis=0)
-    in_first = live & (entry == first)
-    tl.atomic_add(checksum_E_ptr + first, tl.sum(tl.where(in_first, contribution, 0), axis=0))
-    tl.atomic_add(written_E_ptr + first, tl.sum(tl.where(in_first, written, 0), axis=0))
-    others = live & (entry != first)
-    tl.atomic_add(checksum_E_ptr + entry, contribution, mask=others)
-    tl.atomic_add(written_E_ptr + entry, written, mask=others)
+    return tl.where(held, (idx + 1) * (u_new - u_old), 0)
+
+
+@triton.jit
+def _find_entry(entry_offsets_ptr, j, n_entries, search_steps):
+    # largest e with entry_offsets[e] <= j (binary search, invariant lo <= e < hi); j scalar or block
+    lo = j * 0
+    hi = j * 0 + n_entries
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        go_right = tl.load(entry_offsets_ptr + mid) <= j
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    return lo
+
+
+@triton.jit(do_not_specialize=["n_changes", "n_entries", "search_steps"])
+def _apply_deltas_kernel(idx_C_ptr, val_C_ptr, n_changes: tl.int64, entry_offsets_ptr, entry_tensor_ptr,
+                         n_entries: tl.int64, search_steps: tl.int32, layout_ptr, table_ptr, address_ptr,
+                         checksum_E_ptr, written_E_ptr, WIDTH: tl.constexpr, ADD: tl.constexpr,
+                         COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    j0 = pid.to(tl.int64) * BLOCK
+    j = j0 + tl.arange(0, BLOCK)
+    live = j < n_changes
+    idx = tl.load(idx_C_ptr + j, mask=live, other=0).to(tl.int64)
+    if j0 < n_changes:  # a launch with no changes (the compile at plan build) touches nothing
+        first = _find_entry(entry_offsets_ptr, j0, n_entries, search_steps)
+        last = _find_entry(entry_offsets_ptr, tl.minimum(j0 + BLOCK, n_changes) - 1, n_entries, search_steps)
+        row0 = tl.load(entry_tensor_ptr + first) * COLUMNS
+        ncols0 = tl.load(layout_ptr + row0 + 1)
+        contiguous = (first == last) & (tl.load(layout_ptr + row0 + 9) < 0) & (tl.load(layout_ptr + row0 + 3) == ncols0) \
+            & (tl.load(layout_ptr + row0 + 4) == 1) & (tl.load(layout_ptr + row0 + 7) == 0) \
+            & (tl.load(layout_ptr + row0 + 8) == ncols0) & (tl.load(layout_ptr + row0 + 11) == WIDTH)
+        if contiguous:
+            # common case: the whole block is one entry whose held rows are contiguous: no search, no division
+            base = tl.load(layout_ptr + row0 + 2)
+            held = live & (idx >= tl.load(layout_ptr + row0 + 5) * ncols0) & (idx < tl.load(layout_ptr + row0 + 6) * ncols0)
+            address = tl.load(address_ptr + tl.load(layout_ptr + row0 + 0))
+            contribution = _patch(address, base + idx, held, val_C_ptr, j, idx, WIDTH, ADD)
+            tl.atomic_add(checksum_E_ptr + first, tl.sum(contribution, axis=0))
+            tl.atomic_add(written_E_ptr + first, tl.sum(held.to(tl.int64), axis=0))
+        else:
+            entry = _find_entry(entry_offsets_ptr, tl.where(live, j, 0), n_entries, search_steps)
+            row = tl.load(entry_tensor_ptr + entry, mask=live, other=0) * COLUMNS
+            target = tl.load(layout_ptr + row + 0, mask=live, other=0)
+            ncols = tl.load(layout_ptr + row + 1, mask=live, other=1)
+            base = tl.load(layout_ptr + row + 2, mask=live, other=0)
+            row_table = tl.load(layout_ptr + row + 9, mask=live, other=-1)
+            col_table = tl.load(layout_ptr + row + 10, mask=live, other=-1)
+            width = tl.load(layout_ptr + row + 11, mask=live, other=0)
+            r = idx // ncols
+            c = idx - r * ncols
+            tabled = row_table >= 0
+            strided = live & (row_table < 0)
+            # strides: base + r * row_stride + c * col_stride inside the held window
+            row_stride = tl.load(layout_ptr + row + 3, mask=strided, other=0)
+            col_stride = tl.load(layout_ptr + row + 4, mask=strided, other=0)
+            row_lo = tl.load(layout_ptr + row + 5, mask=strided, other=0)
+            row_hi = tl.load(layout_ptr + row + 6, mask=strided, other=0)
+            col_lo = tl.load(layout_ptr + row + 7, mask=strided, other=0)
+            col_hi = tl.load(layout_ptr + row + 8, mask=strided, other=0)
+            held_strided = (r >= row_lo) & (r < row_hi) & (c >= col_lo) & (c < col_hi)
+            # tables: base + rows[r] + cols[c], -1 = not held
+            row_off = tl.load(table_ptr + row_table + r, mask=live & tabled, other=-1)
+            col_off = tl.load(table_ptr + col_table + c, mask=live & tabled, other=-1)
+            held_tabled = (row_off >= 0) & (col_off >= 0)
+            pos = tl.where(tabled, base + row_off + col_off, base + r * row_stride + c * col_stride)
+            held = live & (width == WIDTH) & tl.where(tabled, held_tabled, held_strided)
+            address = tl.load(address_ptr + target, mask=held, other=0)
+            contribution = _patch(address, pos, held, val_C_ptr, j, idx, WIDTH, ADD)
+            written = held.to(tl.int64)
+            # per-entry reduction: one atomic for the block's first entry, one per change for any other entry
+            in_first = live & (entry == first)
+            tl.atomic_add(checksum_E_ptr + first, tl.sum(tl.where(in_first, contribution, 0), axis=0))
+            tl.atomic_add(written_E_ptr + first, tl.sum(tl.where(in_first, written, 0), axis=0))
+            others = live & (entry != first)
+            tl.atomic_add(checksum_E_ptr + entry, contribution, mask=others)
+            tl.atomic_add(written_E_ptr + entry, written, mask=others)
 
 
 def apply_deltas_launch(idx_C: torch.Tensor, val_C: torch.Tensor, entry_offsets_E1: torch.Tensor,
