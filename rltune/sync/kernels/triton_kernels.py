@@ -228,12 +228,12 @@ def _apply_deltas_kernel(idx_C_ptr, val_C_ptr, n_changes: tl.int64, entry_offset
             & (tl.load(layout_ptr + row0 + 8) == ncols0) & (tl.load(layout_ptr + row0 + 11) == WIDTH)
         if contiguous:
             # common case: the whole block is one entry whose held rows are contiguous: no search, no division
-            base = tl.load(layout_ptr + row0 + 2)
-            held = live & (idx >= tl.load(layout_ptr + row0 + 5) * ncols0) & (idx < tl.load(layout_ptr + row0 + 6) * ncols0)
-            address = tl.load(address_ptr + tl.load(layout_ptr + row0 + 0))
-            contribution = _patch(address, base + idx, held, val_C_ptr, j, idx, WIDTH, ADD)
-            tl.atomic_add(checksum_E_ptr + first, tl.sum(contribution, axis=0))
-            tl.atomic_add(written_E_ptr + first, tl.sum(held.to(tl.int64), axis=0))
+            one_base = tl.load(layout_ptr + row0 + 2)
+            one_held = live & (idx >= tl.load(layout_ptr + row0 + 5) * ncols0) & (idx < tl.load(layout_ptr + row0 + 6) * ncols0)
+            one_address = tl.load(address_ptr + tl.load(layout_ptr + row0 + 0))
+            one_contribution = _patch(one_address, one_base + idx, one_held, val_C_ptr, j, idx, WIDTH, ADD)
+            tl.atomic_add(checksum_E_ptr + first, tl.sum(one_contribution, axis=0))
+            tl.atomic_add(written_E_ptr + first, tl.sum(one_held.to(tl.int64), axis=0))
         else:
             entry = _find_entry(entry_offsets_ptr, tl.where(live, j, 0), n_entries, search_steps)
             row = tl.load(entry_tensor_ptr + entry, mask=live, other=0) * COLUMNS
