@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 MEASURES = ("rollout", "training", "weight_sync", "step")
 EPS_S = 1e-3
 DEFAULT_REPEAT_NOISE = 0.03
+MIN_REPEAT_NOISE = 0.005
+NOISE_PRIOR_DOF = 2
 
 
 @dataclass
@@ -48,6 +50,8 @@ class KnobEffects:
     slopes: dict[tuple, list[dict[str, float]]] = field(default_factory=lambda: defaultdict(list))
     repeat_noise: float = DEFAULT_REPEAT_NOISE
     repeat_groups: int = 0
+    # identity -> (sum of squared log deviations, degrees of freedom) of that job's repeated setups
+    job_noise: dict[tuple, tuple[float, int]] = field(default_factory=dict)
     _memo: dict = field(default_factory=dict)
 
     def lookup(self, setting: str, a: Any, b: Any, identity: tuple | None = None) -> Effect | None:
@@ -62,6 +66,19 @@ class KnobEffects:
             self._memo[memo_key] = found
         return self._memo[memo_key]
 
+    def noise_for(self, identity: tuple | None) -> float:
+        """Run-to-run noise of the step (log space) for one job.
+
+        Jobs differ (multi-turn tool use varies more than single-turn math), so a job's own repeats
+        count, shrunk towards the pooled figure by :data:`NOISE_PRIOR_DOF` degrees of freedom -- two
+        repeats alone are too few to trust.
+        """
+        found = self.job_noise.get(identity) if identity is not None else None
+        if not found:
+            return self.repeat_noise
+        squares, dof = found
+        return max(math.sqrt((squares + NOISE_PRIOR_DOF * self.repeat_noise ** 2) / (dof + NOISE_PRIOR_DOF)), MIN_REPEAT_NOISE)
+
     def to_json(self) -> dict[str, Any]:
         """Plain JSON form (tuple keys as lists), for the cache beside the library."""
         return {
@@ -69,6 +86,7 @@ class KnobEffects:
             "by_setting": [[*k, v] for k, v in self.by_setting.items()],
             "slopes": [[None if k[0] is None else list(k[0]), k[1], v] for k, v in self.slopes.items()],
             "repeat_noise": self.repeat_noise, "repeat_groups": self.repeat_groups,
+            "job_noise": [[list(k), v[0], v[1]] for k, v in self.job_noise.items()],
         }
 
     @classmethod
@@ -80,6 +98,8 @@ class KnobEffects:
             out.by_setting[(name, a, b)] = samples
         for identity, name, samples in data["slopes"]:
             out.slopes[(None if identity is None else tuple(identity), name)] = samples
+        for identity, squares, dof in data["job_noise"]:
+            out.job_noise[tuple(identity)] = (float(squares), int(dof))
         return out
 
     def elasticity(self, setting: str, identity: tuple | None = None) -> dict[str, float] | None:
@@ -134,8 +154,10 @@ def knob_effects(cases: Sequence[CaseRecord], *, setups: Sequence[Setup] | None 
             centre = statistics.fmean(step)
             deviations += [(x - centre) ** 2 * len(step) / (len(step) - 1) for x in step]
             effects.repeat_groups += 1
+            squares, dof = effects.job_noise.get(full[0], (0.0, 0))
+            effects.job_noise[full[0]] = (squares + sum((x - centre) ** 2 for x in step), dof + len(step) - 1)
     if deviations:
-        effects.repeat_noise = max(math.sqrt(statistics.fmean(deviations)), 0.005)
+        effects.repeat_noise = max(math.sqrt(statistics.fmean(deviations)), MIN_REPEAT_NOISE)
     # Pairs differing in exactly one setting: bucket by identity + settings minus one key.
     buckets: dict[tuple, list[tuple]] = defaultdict(list)
     for full in means:

@@ -237,7 +237,7 @@ _LEARNED_CACHE: dict[str, tuple[TheoryModel, KnobEffects]] = {}
 _FIT_CACHE = _LEARNED_CACHE  # older name, still cleared by callers that want a cold start
 MODEL_CACHE_NAME = "_model.json"
 THEORY_CACHE_NAME = MODEL_CACHE_NAME
-MODEL_CACHE_FORMAT = 2  # bump when the fit or the effects change meaning: old caches are then refit
+MODEL_CACHE_FORMAT = 3  # bump when the fit or the effects change meaning: old caches are then refit
 
 
 def _learned_key(model: TheoryModel, cases: Sequence[CaseRecord], fit: bool) -> str:
@@ -422,7 +422,7 @@ def _anchor(p: Prepared, target: Setup, distances: np.ndarray) -> _Estimate | No
     step = float(sum(w * q[5] for w, q in zip(weights, chosen, strict=True)))
     var = float(sum(w * q[6] for w, q in zip(weights, chosen, strict=True))) / max(1.0, math.sqrt(len(chosen)))
     spread = _log_spread([q[5] for q in chosen], weights)
-    noise = p.effects.repeat_noise
+    noise = p.effects.noise_for(target.identity())
     sigma = math.sqrt(noise ** 2 + var + spread ** 2)
     uncertain = sorted({u for q in chosen for u in q[7]})
     return _Estimate(stages, step, sigma, uncertain, [(p.cases[q[3]].run_id, float(w), q[2]) for w, q in zip(weights, chosen, strict=True)])
@@ -446,7 +446,7 @@ def _similar(p: Prepared, target: Setup, distances: np.ndarray) -> _Estimate | N
     spread = _log_spread([x[1] for x in scaled], weights)
     var = float(sum(w * x[2] for w, x in zip(weights, scaled, strict=True)))
     nearest = float(distances[order[0]])
-    sigma = math.sqrt(p.effects.repeat_noise ** 2 + spread ** 2 + var + (0.05 + 0.04 * nearest) ** 2)
+    sigma = math.sqrt(p.effects.noise_for(target.identity()) ** 2 + spread ** 2 + var + (0.05 + 0.04 * nearest) ** 2)
     uncertain = sorted({u for w, x in zip(weights, scaled, strict=True) if w >= 0.1 for u in x[3]})
     return _Estimate(stages, step, sigma, uncertain, [(p.cases[i].run_id, float(w), float(distances[i])) for w, i in zip(weights, order, strict=True)])
 

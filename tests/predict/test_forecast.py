@@ -254,3 +254,24 @@ def test_an_rl_mode_change_measured_on_another_job_moves_the_step_by_its_ratio()
     fc = forecast_prepared(prepare([sync, overlapped, tool_base], fit=False), target_like(tool_base, rl_mode="fully_async"))
     assert fc.method == "anchor" and fc.cases[0].run_id == "t0"
     assert fc.step_s == pytest.approx((9.0 + 1e-3) * (1.5 + 1e-3) / (2.0 + 1e-3) - 1e-3, rel=1e-6)
+
+
+def test_each_job_gets_its_own_run_to_run_noise_shrunk_towards_the_pooled_figure():
+    tool = {"job": "tiny-tool-use-cpu", "workload": "tool_use"}
+    steady = [make_case(f"m{i}", rollout=1.0, training=2.0 + d, weight_sync=0.1, t=i) for i, d in enumerate((0.0, 0.01, -0.01))]
+    noisy = [make_case(f"t{i}", rollout=8.0 + d, training=2.0, weight_sync=0.1, t=10 + i, **tool) for i, d in enumerate((0.0, 2.0, -2.0))]
+    effects = knob_effects(steady + noisy)
+    m_id, t_id = setup_from_case(steady[0]).identity(), setup_from_case(noisy[0]).identity()
+    logs = {k: np.log([c.step_s + 1e-3 for c in group]) for k, group in (("m", steady), ("t", noisy))}
+    squares = {k: float(np.sum((v - v.mean()) ** 2)) for k, v in logs.items()}
+    pooled = math.sqrt((squares["m"] + squares["t"]) / 4)
+    assert effects.repeat_noise == pytest.approx(pooled, rel=1e-6)
+    assert effects.noise_for(t_id) == pytest.approx(math.sqrt((squares["t"] + 2 * pooled ** 2) / 4), rel=1e-6)
+    assert effects.noise_for(m_id) < effects.repeat_noise < effects.noise_for(t_id)
+    assert effects.noise_for(("other-job",)) == effects.repeat_noise
+    p = prepare(steady + noisy, fit=False)
+    width = {k: math.log(fc.range_s[1] / fc.range_s[0]) for k, fc in
+             (("m", forecast_prepared(p, setup_from_case(steady[0]))), ("t", forecast_prepared(p, setup_from_case(noisy[0]))))}
+    assert width["t"] > 2 * width["m"]
+    back = type(effects).from_json(effects.to_json())
+    assert back.noise_for(t_id) == effects.noise_for(t_id) and back.job_noise == effects.job_noise
