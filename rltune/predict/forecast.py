@@ -403,19 +403,25 @@ def _anchor(p: Prepared, target: Setup, distances: np.ndarray) -> _Estimate | No
             allowed = allowed | mask
     near = np.flatnonzero((distances <= MAX_ANCHOR_DISTANCE) & allowed)
     same = [int(i) for i in near[np.argsort(distances[near], kind="stable")]][:MAX_ANCHOR_CANDIDATES]
-    needed: list[Setup] = []
+    # The anchors used are the qualified ones with the fewest differing settings, so candidates are
+    # adjusted group by group, fewest differences first, and the first group with a qualified one wins.
+    by_count: dict[int, list[int]] = {}
     for i in same:
-        _adjust(p, i, target, use_theory_for_all=False, collect=needed)
-    p.remember_theory(needed)
-    qualified = []
-    for i in same:
-        stages, step, var, uncertain, load, n_adjust = _adjust(p, int(i), target, use_theory_for_all=False)
-        if load <= ANCHOR_UNCERTAINTY_BUDGET and n_adjust - len(uncertain) <= MAX_ANCHOR_ADJUSTMENTS:
-            qualified.append((n_adjust, load, float(distances[i]), int(i), stages, step, var, uncertain))
-    if not qualified:
+        by_count.setdefault(len(differences(target, p.setups[i])), []).append(i)
+    chosen = []
+    for count in sorted(by_count):
+        needed: list[Setup] = []
+        for i in by_count[count]:
+            _adjust(p, i, target, use_theory_for_all=False, collect=needed)
+        p.remember_theory(needed)
+        for i in by_count[count]:
+            stages, step, var, uncertain, load, n_adjust = _adjust(p, i, target, use_theory_for_all=False)
+            if load <= ANCHOR_UNCERTAINTY_BUDGET and n_adjust - len(uncertain) <= MAX_ANCHOR_ADJUSTMENTS:
+                chosen.append((n_adjust, load, float(distances[i]), i, stages, step, var, uncertain))
+        if chosen:
+            break
+    if not chosen:
         return None
-    best = min(q[0] for q in qualified)
-    chosen = [q for q in qualified if q[0] == best]
     scores = np.asarray([score(q[2]) / (1.0 + q[1]) for q in chosen])
     weights = scores / scores.sum()
     stages = {s: float(sum(w * q[4][s] for w, q in zip(weights, chosen, strict=True))) for s in STAGES}
