@@ -2,7 +2,8 @@
 
 A transformers Qwen3 model is built from a config (random init; no weights are downloaded) and
 trained for a few real AdamW steps on random tokens, with bf16 weights either as fp32 master
-copies (published as bf16) or plain bf16, at lr 1e-6 and 1e-5. The last step's bf16 wire-bit
+copies (published as bf16) or plain bf16, at lr 1e-6 and 1e-5 (on a CPU, plain-bf16 gradients are
+computed in fp32 from the same weights and rounded to bf16; see ``real_adamw_delta``). The last step's bf16 wire-bit
 delta of every tensor is then coded three ways, on the same changes:
 
 - ``rltune.sync.codec`` (Rice gaps + rANS values, dense when smaller);
@@ -65,6 +66,10 @@ def real_adamw_delta(size: str, device: str, master: str, lr: float, steps: int,
     """Per tensor (numel, idx, diff) of the last of ``steps`` AdamW steps, in bf16 wire bits."""
     model = build_model(size, device, master)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    # A bf16 backward takes minutes on a CPU without bf16 matrix units: there the gradients of a bf16
+    # model are computed by an fp32 copy holding the same (exactly upcast) weights, then rounded to bf16.
+    # The optimizer step, which is what makes the delta, is the real bf16 AdamW step either way.
+    grad_model = build_model(size, device, "fp32") if (master == "bf16" and device == "cpu") else None
     vocab = model.config.vocab_size
     gen = torch.Generator(device="cpu").manual_seed(1)
 
@@ -79,9 +84,17 @@ def real_adamw_delta(size: str, device: str, master: str, lr: float, steps: int,
         if device == "cuda":
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        elif grad_model is not None:
+            with torch.no_grad():
+                for gp, p in zip(grad_model.parameters(), model.parameters(), strict=True):
+                    gp.copy_(p)
+            grad_model(input_ids=ids, labels=ids).loss.backward()
+            for gp, p in zip(grad_model.parameters(), model.parameters(), strict=True):
+                p.grad = gp.grad.to(p.dtype)
+                gp.grad = None
         else:
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+            model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
         ch = tot = 0

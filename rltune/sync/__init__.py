@@ -2,4 +2,21 @@
 
 See docs/delta-format.md for the byte format. ``kernels.reference`` holds the torch reference of
 every element operation; the Triton kernels beside it are compared with it bit for bit.
+
+Public API (each module's docstring has a usage example):
+
+- ``rltune.sync.sender.DeltaPublisher(model, optimizer, root, interval, rank=0, world=1, ...)``
+  with ``.step()`` (replaces ``optimizer.step()``) and ``.publish(step)``; ``SignSGD``;
+  ``chunked_step(optimizer, chunk_elements, before, after)``.
+- ``rltune.sync.receiver.DeltaReceiver(root, model, index_map, group=None, apply_fn=...)`` with
+  ``.prefetch(step)``, ``.apply(step)``, ``.load_latest()``.
+- ``rltune.sync.indexmap.IndexMap.record(build_engine, spec)``: the checkpoint -> parameter map,
+  recorded from the engine's own ``load_weights``.
+- ``rltune.sync.codec.encode(idx, diff, bits, start, stop)`` / ``decode(data, start, stop)`` and
+  ``order0_bound_bytes(numel, diff)``.
+- ``rltune.sync.format``: constants and one exception class per rule of the spec.
+- ``rltune.sync.store.BroadcastStore(root)``: complete steps, manifests, chains.
+- ``rltune.sync.ops``: relative-delta reference ops (``wire_diff``, ``wire_add``,
+  ``apply_mapped_delta_ref``) that a GPU kernel must match.
+- ``rltune.sync.toy_engine.ToyEngine``: a small vLLM-style engine (fused qkv/gate_up, TP slicing).
 """
