@@ -25,12 +25,12 @@ import triton.language as tl
 # Elements per checksum program: BLOCK lanes x TILES tiles. With 16-bit elements the per-lane
 # accumulators sum_t u (<= TILES * 2^16) and sum_t t * u (<= 2^16 * TILES^2 / 2) stay below 2^31
 # for TILES <= 128, so the inner loop is int32 only.
-CHECKSUM_BLOCK = 1024
-CHECKSUM_TILES = 32
+CHECKSUM_BLOCK = 512
+CHECKSUM_TILES = 16
 CHECKSUM_WARPS = 4
 
-DIFF_BLOCK = 2048
-DIFF_WARPS = 8
+DIFF_BLOCK = 1024
+DIFF_WARPS = 4
 DIFF_COPY = 256
 APPLY_BLOCK = 1024
 
