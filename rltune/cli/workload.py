@@ -31,8 +31,10 @@ Example:
   rltune workload check presets/workload/small-math.yaml
 """
 
-SUMMARY_KEYS = ("step_s", "rollout_s", "training_s", "weight_sync_s", "old_logprob_s", "wait_s", "gap",
-                "sample_age_mean", "reward")
+SUMMARY_KEYS = ("step_s", "rollout_s", "training_s", "weight_sync_s", "old_logprob_s", "wait_s",
+                "engine_queue_s", "engine_decode_s", "engine_preemptions", "kv_cache_usage", "sandbox_setup_s",
+                "sandbox_exec_s", "sandbox_slot_wait_s", "trainer_busy_frac", "padding_frac", "gap",
+                "sample_age_mean", "sample_age_max", "trials_cut_off", "reward")
 
 
 def register(app: typer.Typer) -> None:

@@ -24,7 +24,7 @@ WORKLOAD_SCHEMA_VERSION = 1
 
 @dataclass
 class ModelConfig:
-    preset: Literal["tiny", "small"] = field("tiny", doc="model size: tiny (CPU, ~0.1 M params) or small (~0.5 B params, H200)")
+    preset: Literal["tiny", "small"] = field("tiny", doc="model size: tiny (CPU, 0.42 M params) or small (0.51 B params, H200)")
     seed: int = field(0, doc="seed of the random initialisation (nothing is downloaded)")
     dtype: Literal["float32", "bfloat16"] = field("float32", doc="trainer parameter dtype")
     engine_dtype: Literal["float32", "bfloat16"] = field("float32", doc="dtype the engines serve; differs from dtype -> wider trainer-rollout gap")
@@ -97,7 +97,7 @@ class SyncConfig:
 @dataclass
 class WorkloadConfig:
     schema_version: int = field(WORKLOAD_SCHEMA_VERSION, doc="format version of this file (1)")
-    name: str = field("workload", doc="run name, written into every metrics record's run")
+    name: str = field("workload", doc="run name; the default run directory is runs/workload/<name>-<time>")
     model: ModelConfig = field(default_factory=ModelConfig, doc="the policy model")
     engine: EngineConfig = field(default_factory=EngineConfig, doc="inference engines")
     env: EnvConfig = field(default_factory=EnvConfig, doc="environments and sandboxes")
@@ -120,6 +120,72 @@ class WorkloadConfig:
     @property
     def batch_size(self) -> int:
         return self.orchestrator.tasks_per_batch * self.orchestrator.trials_per_task
+
+
+# What each key moves in metrics.jsonl: the knowledge base's "which stage does this fix touch".
+KNOB_EFFECTS = {
+    "orchestrator.rl_mode": "step_s (sum of stages in sync, overlap in the async modes), sample_age_*",
+    "orchestrator.max_sample_age": "fully async: how far rollout runs ahead; sample_age_*, groups_dropped_stale, step_s",
+    "orchestrator.steps": "run length",
+    "orchestrator.tasks_per_batch": "batch size: rollout_s, training_s, gen_tokens",
+    "orchestrator.trials_per_task": "batch and group size: rollout_s (a group waits for its slowest trial), training_s",
+    "trainer.micro_batch_size": "training_s, trainer_busy_frac, padding_frac, activation memory",
+    "trainer.mini_batches": "optimizer steps per batch: training_s; clip_frac leaves 0",
+    "trainer.packing": "padding_frac -> 0, training_s",
+    "trainer.grad_checkpointing": "training_s up (recompute), activation memory down",
+    "trainer.reuse_rollout_logprobs": "old_logprob_s -> 0",
+    "trainer.lr": "reward and gap over steps",
+    "trainer.launcher": "how the trainer starts (torchrun start-up lands in step 0)",
+    "trainer.world_size": "training_s (data parallel)",
+    "trainer.num_threads": "training_s on a CPU; contention with the engines",
+    "engine.max_concurrent_seqs": "engine_queue_s, engine_decode_s, kv_cache_usage, rollout_s",
+    "engine.batching": "rollout_s, engine_queue_s (static holds a batch for its longest sequence)",
+    "engine.num_engines": "rollout_s, engine_queue_s, weight_sync_s (one load per engine)",
+    "engine.kv_cache_tokens": "engine_preemptions, kv_cache_usage, rollout_s",
+    "engine.compile": "engine_decode_s, after compile time in step 0",
+    "engine.num_threads": "engine_decode_s on a CPU",
+    "engine.device": "everything engine-side",
+    "env.kind": "the workload: sandbox_* appear for tool use",
+    "env.max_new_tokens": "gen_tokens, rollout_s, training_s",
+    "env.context_limit_tokens": "turns per trial, gen_tokens",
+    "env.temperature": "gap (trainer and engine both scale logits), reward spread",
+    "env.trial_timeout_s": "trials_cut_off; rollout_s (a group waits at most this long)",
+    "env.max_turns": "rollout_s, sandbox_exec_s, gen_tokens",
+    "env.sandbox_pool_size": "rollout_s, sandbox_slot_wait_s (tool use)",
+    "env.prebuilt_image": "sandbox_setup_s",
+    "env.image_modules": "sandbox_setup_s (size of the image a trial builds)",
+    "env.sandbox_cpu_s": "sandbox_kills of CPU-heavy commands",
+    "env.sandbox_memory_mb": "sandbox_kills of memory-heavy commands",
+    "env.sandbox_wall_s": "sandbox_exec_s cap per command, sandbox_kills",
+    "model.preset": "every stage (model size)",
+    "model.dtype": "training_s, gap (with engine_dtype)",
+    "model.engine_dtype": "engine_decode_s, sync_bytes, gap",
+    "model.attn_implementation": "training_s, engine_decode_s",
+    "sync.transport": "weight_sync_s, sync_bytes",
+    "sync.keep_checkpoints": "disk use of the filesystem transport",
+    "sync.anchor_interval": "sparse_delta: sync_anchor_bytes every n-th version",
+}
+
+
+def describe_knobs() -> str:
+    """Markdown table of every key (type, default, meaning, what it moves), for docs/workload.md."""
+    from rltune.contracts.schema import _type_name
+
+    rows = ["| key | type | default | meaning | moves |", "|---|---|---|---|---|"]
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            key = prefix + f.name
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name], key + ".")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            kind = _type_name(hints[f.name]).replace("|", "/")
+            rows.append(f"| `{key}` | {kind} | `{default}` | {f.metadata.get('doc', '')} | {KNOB_EFFECTS.get(key, '')} |")
+
+    walk(WorkloadConfig, "")
+    return "\n".join(rows)
 
 
 def knob_keys() -> list[str]:
@@ -196,8 +262,10 @@ __all__ = [
     "SyncConfig",
     "TrainerConfig",
     "WorkloadConfig",
+    "KNOB_EFFECTS",
     "apply_overrides",
     "config_from_data",
+    "describe_knobs",
     "knob_keys",
     "load_workload_config",
     "parse_override",

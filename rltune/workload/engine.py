@@ -24,6 +24,7 @@ Messages out (shared queue): ``("ready", engine, info)``, ``("result", engine, r
 
 from __future__ import annotations
 
+import inspect
 import os
 import queue
 import time
@@ -91,6 +92,8 @@ class Engine:
         self.model = build_model(settings.preset, settings.seed, torch_dtype(settings.dtype), self.device,
                                  settings.attn_implementation).eval()
         self.forward = torch.compile(self.model, dynamic=True) if settings.compile else self.model
+        # transformers renamed the cache argument ('past_key_values' -> 'cache'); accept either.
+        self.cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.eos = TOKENIZER.eos_id
         self.pad = TOKENIZER.pad_id
         self.generator = torch.Generator(device=self.device).manual_seed(settings.sample_seed + 7919 * index)
@@ -129,6 +132,8 @@ class Engine:
                 pass
             for msg in messages:
                 if msg[0] == "stop":
+                    # Release tensors shared by the trainer (CUDA IPC) before the process ends.
+                    self.s.loader = None
                     return
                 self.handle(msg)
             self.step()
@@ -209,7 +214,7 @@ class Engine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         with torch.inference_mode():
             out = self.forward(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        cache = out.cache
+        cache = _output_cache(out)
         new_keys = [layer.keys for layer in cache.layers]
         new_values = [layer.values for layer in cache.layers]
         self._merge(seqs, new_keys, new_values, mask, mask.sum(-1))
@@ -330,15 +335,21 @@ class Engine:
         mask = torch.cat([self.mask, ones], dim=1)
         with torch.inference_mode():
             out = self.forward(input_ids=self.last_tokens.unsqueeze(-1), attention_mask=mask,
-                               position_ids=self.positions.unsqueeze(-1), cache=cache, use_cache=True)
-        self.keys = [layer.keys for layer in out.cache.layers]
-        self.values = [layer.values for layer in out.cache.layers]
+                               position_ids=self.positions.unsqueeze(-1), use_cache=True, **{self.cache_kw: cache})
+        new_cache = _output_cache(out)
+        self.keys = [layer.keys for layer in new_cache.layers]
+        self.values = [layer.values for layer in new_cache.layers]
         self.mask = mask
         self.positions = self.positions + 1
         self._note_kv()
         self.counters["decode_s"] += time.perf_counter() - start
         self.counters["forward_steps"] += 1
         self._sample_and_advance(out.logits[:, -1, :], rows=list(range(len(self.running))))
+
+
+def _output_cache(out):
+    cache = out.get("cache") if hasattr(out, "get") else None
+    return cache if cache is not None else out.past_key_values
 
 
 def _drop_stdlib_shadows() -> None:

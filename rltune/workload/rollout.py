@@ -86,8 +86,11 @@ class EngineClient:
             kind = msg[0]
             with self._lock:
                 if kind == "result":
-                    engine, fut = self._pending.pop(msg[2], (msg[1], None))
-                    self._outstanding[engine] -= 1
+                    entry = self._pending.pop(msg[2], None)  # None: cancelled, already uncounted
+                    fut = None
+                    if entry is not None:
+                        self._outstanding[entry[0]] -= 1
+                        fut = entry[1]
                 elif kind == "loaded":
                     fut = self._loads.pop((msg[1], msg[2]), None)
                 elif kind == "stats":
