@@ -11,6 +11,7 @@ Shape suffixes: ``_B`` one per sample row, ``_T`` one per token position, ``_BT`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -196,7 +197,7 @@ class GRPOTrainer:
                 total += n_total
                 t0 = time.perf_counter()
                 last = k == len(micro) - 1
-                context = self.model.no_sync() if self.world_size > 1 and not last else _nullcontext()
+                context = self.model.no_sync() if self.world_size > 1 and not last else contextlib.nullcontext()
                 with context:
                     logp = self._token_logprobs(inputs, targets)
                     reference = old if old is not None else roll
@@ -223,14 +224,6 @@ class GRPOTrainer:
         return {"gap_sum": gap_sum, "gap_n": gap_n, "real_tokens": float(real), "total_tokens": float(total),
                 "compute_s": compute_s, "train_elapsed_s": elapsed, "loss": loss_sum / max(1, n_mini),
                 "clip_frac": clip_sum / max(1, micro_count), "micro_batches": float(micro_count)}
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # -- distributed plumbing --------------------------------------------------------------------------
