@@ -321,7 +321,7 @@ class DeltaPublisher:
                 idx = torch.cat([p[0] for p in pieces])
                 diff = torch.cat([p[1] for p in pieces])
             bits = wire_width(self._bits(name)) if hi > lo else 16
-            blob = codec.encode(idx.numpy().astype(np.int64), diff.numpy(), bits, lo, hi)
+            blob = codec.encode(idx.cpu().numpy().astype(np.int64), diff.cpu().numpy(), bits, lo, hi)
             entries.append(dict(name=name, start=lo, stop=hi, offset=offset, length=len(blob),
                                 crc32=fmt.crc32(blob), changes=int(idx.numel())))
             blobs.append(blob)
@@ -332,7 +332,8 @@ class DeltaPublisher:
         entries, blobs, offset = [], [], 0
         for name in self.names:
             lo, hi = self.ranges[name]
-            raw = self._bits(name).numpy().astype(self._bits(name).numpy().dtype.newbyteorder("<")).tobytes()
+            host = self._bits(name).cpu().numpy()
+            raw = host.astype(host.dtype.newbyteorder("<")).tobytes()
             block = fmt.ANCHOR_CRC_BLOCK
             crcs = [fmt.crc32(raw[j:j + block]) for j in range(0, len(raw), block)]
             entries.append(dict(name=name, start=lo, stop=hi, offset=offset, length=len(raw), crc_block=block, crc32s=crcs))
