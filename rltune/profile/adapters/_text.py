@@ -105,3 +105,30 @@ class ParsedLog:
                 self.report.note(f"some steps repeat a metric with another value (e.g. step {step} '{key}'); kept the first")
                 continue
             record[key] = value
+
+
+def count_matching(text: str, line_re: re.Pattern) -> int:
+    """How many cleaned lines of ``text`` match ``line_re`` (an adapter's ``claims``)."""
+    return sum(1 for raw in text.splitlines() if line_re.search(clean_line(raw)))
+
+
+def parse_step_dict_lines(sources: list[tuple[str, str]], report: ParseReport, line_re: re.Pattern,
+                          what: str) -> ParsedLog:
+    """Parse ``<prefix> N: {python dict literal}`` lines: group 1 is the step, group 2 the dict.
+
+    ``what`` names the line shape in skip reasons, e.g. ``'perf N: {...}'``.
+    """
+    parsed = ParsedLog(report)
+    for _, text in sources:
+        for raw in text.splitlines():
+            report.lines_total += 1
+            match = line_re.search(clean_line(raw))
+            if match is None:
+                continue
+            value = literal_dict(match.group(2))
+            if value is None:
+                report.skip(f"truncated or malformed {what} line")
+                continue
+            parsed.add(int(match.group(1)), flatten(value))
+            report.lines_used += 1
+    return parsed

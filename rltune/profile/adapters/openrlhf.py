@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from rltune.profile.adapters._text import ParsedLog, clean_line, flatten, literal_dict
+from rltune.profile.adapters._text import ParsedLog, count_matching, parse_step_dict_lines
 from rltune.profile.report import ParseReport
 
 NAME = "openrlhf"
@@ -12,21 +12,8 @@ _LINE = re.compile(r"(?:^|\s)Global step (\d+): (\{.*)$")
 
 
 def claims(text: str) -> int:
-    return sum(1 for raw in text.splitlines() if _LINE.search(clean_line(raw)))
+    return count_matching(text, _LINE)
 
 
 def parse(sources: list[tuple[str, str]], report: ParseReport) -> ParsedLog:
-    parsed = ParsedLog(report)
-    for _, text in sources:
-        for raw in text.splitlines():
-            report.lines_total += 1
-            match = _LINE.search(clean_line(raw))
-            if match is None:
-                continue
-            value = literal_dict(match.group(2))
-            if value is None:
-                report.skip("truncated or malformed 'Global step N: {...}' line")
-                continue
-            parsed.add(int(match.group(1)), flatten(value))
-            report.lines_used += 1
-    return parsed
+    return parse_step_dict_lines(sources, report, _LINE, "'Global step N: {...}'")
