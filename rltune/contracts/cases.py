@@ -28,7 +28,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rltune.errors import MalformedFileError, MissingFieldError, SchemaVersionError, WrongTypeError
+from rltune.contracts.schema import check_parquet_version
+from rltune.errors import MalformedFileError, MissingFieldError, WrongTypeError
 
 if TYPE_CHECKING:  # pyarrow loads lazily
     import pyarrow as pa
@@ -255,15 +256,7 @@ def record_to_table(record: CaseRecord) -> pa.Table:
 def validate_table(table: pa.Table, where: str, *, one_row: bool = True) -> None:
     """Check metadata, row count and column types of a case table."""
     meta = table.schema.metadata or {}
-    raw = meta.get(META_VERSION)
-    if raw is None:
-        raise MissingFieldError(where, "schema_version", "no rltune.schema_version in the Parquet metadata; write cases with CaseLibrary.append")
-    try:
-        version = int(raw)
-    except ValueError:
-        raise WrongTypeError(where, "schema_version", f"expected an integer, found {raw!r}") from None
-    if version > CASES_SCHEMA_VERSION:
-        raise SchemaVersionError(where, "schema_version", f"written by a newer rltune (version {version}; this rltune reads up to {CASES_SCHEMA_VERSION}); upgrade rltune")
+    check_parquet_version(meta, where, CASES_SCHEMA_VERSION, "write cases with CaseLibrary.append")
     if meta.get(META_ARTIFACT) != ARTIFACT_NAME:
         raise WrongTypeError(where, "artifact", f"not a case file (rltune.artifact={meta.get(META_ARTIFACT)!r})")
     if one_row and table.num_rows != 1:

@@ -234,6 +234,26 @@ def check_schema_version(data: Any, file: str, supported: int) -> None:
         )
 
 
+def check_parquet_version(metadata: dict | None, file: str, supported: int, how_to_write: str) -> int:
+    """Refuse a Parquet file whose ``rltune.schema_version`` metadata is absent, malformed or too new.
+
+    ``how_to_write`` completes the fix of a missing version, e.g. "write it with 'rltune profile'".
+    """
+    raw = (metadata or {}).get(b"rltune.schema_version")
+    if raw is None:
+        raise MissingFieldError(file, "schema_version", f"no rltune.schema_version in the Parquet metadata; {how_to_write}")
+    try:
+        version = int(raw)
+    except ValueError:
+        raise WrongTypeError(file, "schema_version", f"expected an integer, found {raw!r}") from None
+    if version > supported:
+        raise SchemaVersionError(
+            file, "schema_version",
+            f"written by a newer rltune (version {version}; this rltune reads up to {supported}); upgrade rltune",
+        )
+    return version
+
+
 def read_yaml(path: str | os.PathLike) -> Any:
     """Parse a YAML file safely; a syntax error becomes one located line."""
     import yaml
@@ -319,6 +339,7 @@ def field_docs(cls: type) -> list[tuple[str, str, str]]:
 __all__ = [
     "FieldProblem",
     "atomic_write_text",
+    "check_parquet_version",
     "check_schema_version",
     "dump_yaml",
     "field",

@@ -13,7 +13,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rltune.errors import MalformedFileError, MissingFieldError, SchemaVersionError, WrongTypeError
+from rltune.contracts.schema import check_parquet_version
+from rltune.errors import MalformedFileError, MissingFieldError, WrongTypeError
 
 if TYPE_CHECKING:  # pyarrow is imported lazily: the CLI's start-up must not pay for it
     import pyarrow as pa
@@ -118,17 +119,7 @@ def read_stages(path: str | os.PathLike) -> pa.Table:
         raise MalformedFileError(path, "", "no such file; check the path") from None
     except (pa.ArrowException, OSError) as exc:
         raise MalformedFileError(path, "", f"not a readable Parquet file ({exc}); re-create it with 'rltune profile'") from None
-    meta = table.schema.metadata or {}
-    raw = meta.get(META_VERSION)
-    if raw is None:
-        raise MissingFieldError(path, "schema_version", "no rltune.schema_version in the Parquet metadata; write it with rltune")
-    try:
-        version = int(raw)
-    except ValueError:
-        raise WrongTypeError(path, "schema_version", f"expected an integer, found {raw!r}") from None
-    if version > STAGES_SCHEMA_VERSION:
-        raise SchemaVersionError(path, "schema_version",
-                                 f"written by a newer rltune (version {version}; this rltune reads up to {STAGES_SCHEMA_VERSION}); upgrade rltune")
+    check_parquet_version(table.schema.metadata, path, STAGES_SCHEMA_VERSION, "write it with rltune")
     for name, kind, _ in CORE_COLUMNS:
         if name not in table.column_names:
             raise MissingFieldError(path, name, f"missing column ({kind})")
