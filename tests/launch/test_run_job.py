@@ -12,7 +12,7 @@ from rltune.contracts.job import load_job
 from rltune.errors import LaunchError
 from rltune.launch import UnmappedKnobError, build_argv, process, run_job
 
-from .conftest import write_job
+from .jobfile import write_job
 
 ECHO_ARGS = """
 import json, sys

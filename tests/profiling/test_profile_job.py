@@ -9,6 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from launch.jobfile import write_job
 
 from rltune.cli.main import main
 from rltune.contracts.diagnosis import load_diagnosis
@@ -17,8 +18,6 @@ from rltune.contracts.stages import read_stages
 from rltune.errors import LaunchError, LogFormatError
 from rltune.profile import profile_job
 from rltune.profile.adapters import vllm
-
-from .helpers import write_job
 
 # Rollout hashes 4x the rounds training does, so rollout limits a sync step by construction.
 JOB = """

@@ -1,4 +1,4 @@
-"""Helpers for profile tests: a job.yaml around a small real Python script (as in tests/launch)."""
+"""A job.yaml around a small real Python script, for the launch and profile tests."""
 
 from __future__ import annotations
 
