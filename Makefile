@@ -32,7 +32,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 demo: $(STAMP)
-	$(BIN)/rltune auto presets/cpu-demo.yaml --rounds 3 --workdir runs/demo
+	$(BIN)/rltune auto presets/cpu-demo.yaml --rounds 3 --workdir runs/demo --tuned-dir runs/demo/tuned
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py
