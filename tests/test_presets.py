@@ -17,7 +17,7 @@ WORKLOAD_CONFIGS = sorted((PRESETS / "workload").glob("*.yaml"))
 SYNC_BENCH = sorted((PRESETS / "sync").glob("*.yaml"))
 JOBS = sorted(PRESETS.glob("*.yaml")) + sorted((PRESETS / "tuned").glob("*.yaml"))
 JOBS = [p for p in JOBS if p.name != "knowledge.yaml"]
-# Knobs of the reference workload (the brief's canonical list) and where they live in its config.
+# The reference workload's abstract knobs (the names knowledge.yaml and the case library use).
 REFERENCE_KNOBS = {"rl_mode", "max_sample_age", "micro_batch_size", "packing", "grad_checkpointing",
                    "reuse_rollout_logprobs", "engine_max_concurrency", "engine_batching", "num_engines",
                    "engine_compile", "sandbox_pool_size", "prebuilt_image", "sync_transport"}
