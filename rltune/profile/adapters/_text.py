@@ -43,6 +43,14 @@ def to_number(text: str) -> float | None:
         return None
 
 
+def hms_seconds(text: str) -> int:
+    """'H:MM:SS' (or 'MM:SS', 'SS') as seconds."""
+    seconds = 0
+    for part in text.split(":"):
+        seconds = seconds * 60 + int(part)
+    return seconds
+
+
 def number_or_none(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None

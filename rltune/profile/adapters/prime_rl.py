@@ -22,7 +22,7 @@ import json
 import re
 from pathlib import PurePath
 
-from rltune.profile.adapters._text import ParsedLog, clean_line, flatten, json_object, to_number
+from rltune.profile.adapters._text import ParsedLog, clean_line, flatten, hms_seconds, json_object, to_number
 from rltune.profile.report import ParseReport
 
 NAME = "prime-rl"
@@ -64,13 +64,6 @@ def claims(text: str) -> int:
     return count
 
 
-def _hms(text: str) -> int:
-    seconds = 0
-    for part in text.split(":"):
-        seconds = seconds * 60 + int(part)
-    return seconds
-
-
 def parse(sources: list[tuple[str, str]], report: ParseReport) -> ParsedLog:
     parsed = ParsedLog(report)
     bench_rows = 0
@@ -86,7 +79,7 @@ def parse(sources: list[tuple[str, str]], report: ParseReport) -> ParsedLog:
             line = clean_line(raw)
             bar = _ROLLOUT_BAR.search(line)
             if bar is not None:
-                rollout_elapsed = float(_hms(bar.group(1)))
+                rollout_elapsed = float(hms_seconds(bar.group(1)))
                 continue
             match = _CONSOLE.search(line)
             if match is not None and "Time:" in line:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 
-from rltune.profile.adapters._text import ParsedLog, clean_line, flatten, json_object, to_number
+from rltune.profile.adapters._text import ParsedLog, clean_line, flatten, hms_seconds, json_object, to_number
 from rltune.profile.report import ParseReport
 
 NAME = "verl"
@@ -46,13 +46,6 @@ def claims(text: str) -> int:
         if _claims_line(line) or _file_logger_record(line) is not None:
             count += 1
     return count
-
-
-def _hms(text: str) -> int:
-    seconds = 0
-    for part in text.split(":"):
-        seconds = seconds * 60 + int(part)
-    return seconds
 
 
 def _parse_pairs(body: str) -> dict[str, float] | None:
@@ -102,7 +95,7 @@ def parse(sources: list[tuple[str, str]], report: ParseReport) -> ParsedLog:
                 continue
             match = _PROGRESS.search(line)
             if match is not None:
-                progress.append((int(match.group(1)), _hms(match.group(3))))
+                progress.append((int(match.group(1)), hms_seconds(match.group(3))))
     if not parsed.records and progress:
         _from_progress(parsed, progress)
     elif progress:
