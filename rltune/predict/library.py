@@ -93,19 +93,14 @@ class CaseLibrary:
 
         Raises DuplicateCaseError if the run id is present with different content.
         """
-        import pyarrow.parquet as pq
 
         table = record_to_table(record)
         self.path.mkdir(parents=True, exist_ok=True)
         final = self.path / case_file_name(record.run_id)
         if final.exists():
             return self._same_or_refuse(final, record)
-        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f".{final.name}.", suffix=".tmp")
+        tmp = _write_synced_temp(table, self.path, final.name)
         try:
-            with os.fdopen(fd, "wb") as handle:
-                pq.write_table(table, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
             try:
                 os.link(tmp, final)  # atomic, and refuses to replace: one writer of a run id wins
             except FileExistsError:
@@ -205,16 +200,31 @@ class CaseLibrary:
         keys = list(rows_by_key)
         table = rows_to_table([rows_by_key[k] for k in keys])
         table = table.append_column("_key", pa.array(keys, type=pa.string()))
-        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f".{INDEX_NAME}.", suffix=".tmp")
+        tmp = _write_synced_temp(table, self.path, INDEX_NAME)
         try:
-            with os.fdopen(fd, "wb") as handle:
-                pq.write_table(table, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
             os.replace(tmp, self.path / INDEX_NAME)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+
+def _write_synced_temp(table: pa.Table, directory: Path, name: str) -> str:
+    """Write ``table`` to a temporary file beside ``name`` in ``directory``, fsync'd; return its path.
+
+    The caller moves it into place (link or rename) and removes it if that fails.
+    """
+    import pyarrow.parquet as pq
+
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            pq.write_table(table, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return tmp
 
 
 def _fsync_dir(path: Path) -> None:
