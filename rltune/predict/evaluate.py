@@ -4,7 +4,8 @@
 only the runs that had *finished before it started* (as when it was planned), and compare with
 what it measured. Runs with no earlier run are listed but left out of the figures (there was
 nothing to forecast from). The report gives the median |error| of the step time overall, per
-workload and per method, the share within 10 %, the median |error| of training time, and range
+workload and per method, the share within 10 %, the median |error| of training time (the trainer's
+whole time per step, old-logprob pass included, as the forecast's training stage is), and range
 coverage (share of measured steps inside the forecast range). ``plot(report, path)`` draws
 predicted against measured with the +-10 % band (matplotlib, Agg backend).
 """
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from rltune.predict.forecast import forecast_prepared, prepare
 from rltune.predict.library import CaseLibrary, as_cases
 from rltune.predict.setup import setup_from_case
+from rltune.predict.theory import measured_stages
 
 if TYPE_CHECKING:
     from rltune.contracts.cases import CaseRecord
@@ -89,7 +91,7 @@ def evaluate(library: CaseLibrary | Sequence[CaseRecord] | str, *, theory: Theor
             continue
         fc = forecast_prepared(prepare(history, theory), setup_from_case(case), case.run_id)
         measured = case.step_s
-        training = case.measured["training_s"]
+        training = measured_stages(case)["training"]  # the trainer's whole time, as the forecast defines its training stage
         rows.append(EvalRow(
             run_id=case.run_id, workload=case.workload, rl_mode=case.rl_mode, history=len(history), method=fc.method,
             predicted_step_s=fc.step_s, measured_step_s=measured, low_s=fc.range_s[0], high_s=fc.range_s[1],

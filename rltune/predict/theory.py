@@ -12,10 +12,14 @@ arrays, so fitting on 1,000 cases and forecasting 100 candidates stay fast). The
   waits for whole waves, continuous batching refills slots; each decode step reads the weights
   (fp8 halves the bytes) and computes on the active batch; ``engine_compile`` scales the per-step
   overhead; sandboxes add setup (cheaper with a prebuilt image) and execution per trial, divided
-  over the pool;
+  over the sandboxes that really run at once -- the pool, capped by the host cores that run them;
 - weight sync: a fixed cost plus bytes / bandwidth per transport (``sparse_delta`` ships only the
   changed fraction);
 - an example effect term, the seed's routing-replay CPU copy (``routing_replay: true``).
+
+In the overlapped RL modes a fitted factor per mode stretches rollout and training
+(:func:`overlap_slowdown`): where they share devices (a CPU-only job) each slows the other. A term
+with a ``column`` (the old-logprob pass, ``old_logprob_s``) is also fitted to that column directly.
 
 Coefficients start from physical priors per device class ('cpu' or 'gpu') and are fitted to the
 library with ``scipy.optimize.least_squares`` on log-times (a weak pull towards the priors keeps
@@ -46,9 +50,11 @@ EPS_S = 1e-3  # seconds added before taking logs: a stage measured as 0 must not
 GPU_MEMORY_BYTES = {"H100": 80e9, "H200": 141e9, "B200": 180e9, "B300": 288e9, "A100": 80e9}
 # Coefficients that are fractions or factors of a physical quantity keep their meaning while fitted.
 BOUNDS = {"continuous_fill": (0.05, 1.0), "compile_factor": (0.05, 1.5), "prebuilt_factor": (0.01, 1.0),
-          "delta_fraction": (0.001, 1.0), "padding_overhead": (0.01, 3.0), "checkpoint_overhead": (0.05, 1.5)}
+          "delta_fraction": (0.001, 1.0), "padding_overhead": (0.01, 3.0), "checkpoint_overhead": (0.05, 1.5),
+          **{f"overlap_{mode}_{stage}": (0.5, 10.0) for mode in ("one_step_async", "fully_async") for stage in ("rollout", "training")}}
 FREE_RANGE = 1e4
 MAX_FIT_CASES = 300  # other coefficients may move this factor either way from their prior
+SANDBOX_SOFT_MIN_POWER = 4.0
 BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "float32": 4.0, "bfloat16": 2.0}
 
 
@@ -190,19 +196,25 @@ class Term:
     priors: dict[str, tuple[float, float]]  # coefficient -> (cpu prior, gpu prior)
     compute: Callable[[Features, dict[str, float]], np.ndarray]
     doc: str = ""
+    column: str | None = None  # a measured column that times this term alone; the fit matches it where a case has it
 
 
 TERMS: list[Term] = []
 
 
 def register_term(stage: str, name: str, reads: Sequence[str], priors: dict[str, tuple[float, float]],
-                  compute: Callable[[Features, dict[str, float]], np.ndarray], doc: str = "") -> Term:
-    """Add a term for an effect the formulas miss (e.g. a CPU copy profiling found)."""
+                  compute: Callable[[Features, dict[str, float]], np.ndarray], doc: str = "", column: str | None = None) -> Term:
+    """Add a term for an effect the formulas miss (e.g. a CPU copy profiling found).
+
+    ``column``: a stage-table column that times this term on its own (``old_logprob_s``); where a
+    case measured it, the fit matches the term to it, which pins the term's coefficients apart from
+    the rest of its stage.
+    """
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; expected one of {', '.join(STAGES)}")
     if any(t.name == name and t.stage == stage for t in TERMS):
         raise ValueError(f"a {stage} term named {name!r} is already registered")
-    term = Term(stage, name, tuple(reads), dict(priors), compute, doc)
+    term = Term(stage, name, tuple(reads), dict(priors), compute, doc, column)
     TERMS.append(term)
     return term
 
@@ -233,12 +245,25 @@ def _decode(f: Features, c: dict[str, float]) -> np.ndarray:
     return decode_steps(f, c["continuous_fill"]) * (overhead + weights + compute)
 
 
+def sandbox_parallelism(f: Features, cores_per_host: float) -> np.ndarray:
+    """Sandboxes that really run at once: the pool, but no more than the hosts' cores can run.
+
+    A sandbox is CPU work; past one per core, more slots only queue for the same cores (on a
+    CPU-only job they also compete with the engine and the trainer). A soft minimum
+    (``(pool^-k + cores^-k)^(-1/k)``) keeps the fit smooth where the pool nears the core count.
+    """
+    hosts = np.maximum(f.num("sandbox_hosts", 1.0), 1.0)
+    pool = np.maximum(f.num("sandbox_pool_size", 8.0) * hosts, 1.0)
+    cores = np.maximum(cores_per_host * hosts, 1e-3)
+    k = SANDBOX_SOFT_MIN_POWER
+    return (pool ** -k + cores ** -k) ** (-1.0 / k)
+
+
 def _sandbox(f: Features, c: dict[str, float]) -> np.ndarray:
     tool = 1.0 - f.equals("workload", "math", "math")
     setup = c["sandbox_build_s"] * (1.0 - (1.0 - c["prebuilt_factor"]) * f.flag("prebuilt_image", False))
     per_trial = setup + c["sandbox_exec_s"] * turns(f)
-    pool = np.maximum(f.num("sandbox_pool_size", 8.0) * np.maximum(f.num("sandbox_hosts", 1.0), 1.0), 1.0)
-    return tool * per_trial * samples(f) / pool
+    return tool * per_trial * samples(f) / sandbox_parallelism(f, c["sandbox_cores"])
 
 
 def _weight_sync(f: Features, c: dict[str, float]) -> np.ndarray:
@@ -264,7 +289,7 @@ register_term("training", "compute", ("batch", "answer_cap_tokens", "context_lim
 register_term("training", "micro_batches", ("micro_batch_size", "batch", "trainer_gpus", "trainer_tp"),
               {"s_per_micro_batch": (0.01, 0.05)}, _training_microbatches, "fixed cost per micro-batch")
 register_term("training", "old_logprob_pass", ("reuse_rollout_logprobs", "batch", "active_params"),
-              {"s_per_logprob_flop": (3e-11, 3e-15)}, _old_logprob, "separate forward pass for old log-probs")
+              {"s_per_logprob_flop": (3e-11, 3e-15)}, _old_logprob, "separate forward pass for old log-probs", column="old_logprob_s")
 register_term("training", "fixed", (), {"training_fixed_s": (0.02, 1.0)}, lambda f, c: np.full(f.n, c["training_fixed_s"]))
 register_term("rollout", "decode", ("batch", "answer_cap_tokens", "context_limit_tokens", "engine_max_concurrency", "num_engines",
                                     "engine_batching", "engine_compile", "engine_tp", "kv_cache_dtype", "weight_dtype", "total_params",
@@ -273,8 +298,8 @@ register_term("rollout", "decode", ("batch", "answer_cap_tokens", "context_limit
                "s_per_decode_flop": (3e-11, 3e-15), "continuous_fill": (0.7, 0.7)},
               _decode, "decode steps over the longest trial per wave x cost of one step")
 register_term("rollout", "sandbox", ("workload", "sandbox_pool_size", "sandbox_hosts", "prebuilt_image", "batch"),
-              {"sandbox_build_s": (0.5, 120.0), "prebuilt_factor": (0.2, 0.2), "sandbox_exec_s": (0.05, 5.0)},
-              _sandbox, "sandbox setup and execution per trial, over the pool")
+              {"sandbox_build_s": (0.5, 120.0), "prebuilt_factor": (0.2, 0.2), "sandbox_exec_s": (0.05, 5.0), "sandbox_cores": (2.0, 64.0)},
+              _sandbox, "sandbox setup and execution per trial, over the pool, capped by the cores that run it")
 register_term("rollout", "fixed", (), {"rollout_fixed_s": (0.02, 1.0)}, lambda f, c: np.full(f.n, c["rollout_fixed_s"]))
 register_term("weight_sync", "transfer", ("sync_transport", "total_params", "weight_dtype", "num_engines"),
               {"s_per_byte_filesystem": (1e-9, 1e-9), "s_per_byte_inprocess": (2e-10, 1e-10), "s_per_byte_broadcast": (2e-10, 2e-11),
@@ -285,13 +310,40 @@ register_term("training", "routing_replay_copy", ("routing_replay",), {"s_per_ro
               "CPU copy of rollout routing data per token and layer (the seed's routing-replay cost)")
 
 
+# ---- stages that share devices -------------------------------------------------------------------
+
+OVERLAPPED_STAGES = ("rollout", "training")
+OVERLAP_MODES = ("one_step_async", "fully_async")
+# (cpu prior, gpu prior) of each stage's slowdown while it overlaps the other. The prior is the RL-mode
+# rule's own assumption, free overlap; runs in that mode teach the fit how far shared cores stretch it.
+OVERLAP_PRIORS = {f"overlap_{mode}_{stage}": (1.0, 1.0) for mode in OVERLAP_MODES for stage in OVERLAPPED_STAGES}
+
+
+def overlap_slowdown(f: Features, c: dict[str, float], stage: str) -> np.ndarray:
+    """Factor on a stage's time for the RL mode: 1 in sync mode, a fitted slowdown where stages overlap.
+
+    The RL-mode rule assumes rollout and training overlap for free. Where they share devices (the
+    reference workload on a CPU runs both on the same cores) each stretches while the other runs;
+    the fit learns by how much from runs in each mode, so one mode's stage times can be moved to
+    another's and no async run distorts the coefficients of the work itself.
+    """
+    if stage not in OVERLAPPED_STAGES:
+        return np.ones(f.n)
+    factor = np.ones(f.n)
+    for mode in OVERLAP_MODES:
+        factor = factor + f.equals("rl_mode", mode, "sync") * (c[f"overlap_{mode}_{stage}"] - 1.0)
+    return factor
+
+
 def device_class(device: str) -> str:
     return "cpu" if device.lower() == "cpu" else "gpu"
 
 
 def prior_coefficients(device: str) -> dict[str, float]:
     column = 0 if device_class(device) == "cpu" else 1
-    return {name: prior[column] for term in TERMS for name, prior in term.priors.items()}
+    out = {name: prior[column] for term in TERMS for name, prior in term.priors.items()}
+    out.update({name: prior[column] for name, prior in OVERLAP_PRIORS.items()})
+    return out
 
 
 def modelled_settings() -> set[str]:
@@ -352,6 +404,11 @@ class TheoryModel:
             f = Features([s for _, s in pairs])
             per_case = [measured_stages(c) for c in group]
             measured = {stage: np.asarray([m[stage] for m in per_case]) for stage in STAGES}
+            columns = {t.column for t in TERMS if t.column}
+            # column -> (rows of the cases that measured it, their values)
+            finer = {col: (np.asarray([i for i, c in enumerate(group) if _number(c.measured.get(col))], dtype=int),
+                           np.asarray([float(c.measured[col]) for c in group if _number(c.measured.get(col))]))
+                     for col in sorted(columns)}
             start = self.coefficients_for("cpu" if cls == "cpu" else "gpu")
             names = sorted(start)
             prior = prior_coefficients("cpu" if cls == "cpu" else "gpu")
@@ -359,10 +416,12 @@ class TheoryModel:
             theta_prior = np.log([prior[n] for n in names])
 
             def residuals(theta: np.ndarray, f: Features = f, measured: dict = measured, names: list = names,
-                          theta_prior: np.ndarray = theta_prior) -> np.ndarray:
+                          theta_prior: np.ndarray = theta_prior, finer: dict = finer) -> np.ndarray:
                 coeffs = dict(zip(names, np.exp(theta), strict=True))
                 sums = _stage_sums(f, coeffs)
                 parts = [np.log(sums[s] + EPS_S) - np.log(measured[s] + EPS_S) for s in STAGES]
+                by_column = _column_terms(f, coeffs)
+                parts += [np.log(by_column[col][rows] + EPS_S) - np.log(values + EPS_S) for col, (rows, values) in finer.items()]
                 parts.append(prior_weight * (theta - theta_prior))
                 return np.concatenate(parts)
 
@@ -374,6 +433,10 @@ class TheoryModel:
             fitted.coefficients[cls] = dict(zip(names, (float(x) for x in np.exp(result.x)), strict=True))
             fitted.fitted_on[cls] = len(group)
         return fitted
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def measured_stages(case: CaseRecord) -> dict[str, float]:
@@ -395,7 +458,17 @@ def _stage_sums(f: Features, coeffs: dict[str, float]) -> dict[str, np.ndarray]:
     sums = {stage: np.zeros(f.n) for stage in STAGES}
     for term in TERMS:
         sums[term.stage] = sums[term.stage] + term.compute(f, coeffs)
-    return sums
+    return {stage: values * overlap_slowdown(f, coeffs, stage) for stage, values in sums.items()}
+
+
+def _column_terms(f: Features, coeffs: dict[str, float]) -> dict[str, np.ndarray]:
+    """Seconds of each term that a measured column times on its own, column -> values (RL-mode factor applied)."""
+    out: dict[str, np.ndarray] = {}
+    for term in TERMS:
+        if term.column:
+            values = term.compute(f, coeffs) * overlap_slowdown(f, coeffs, term.stage)
+            out[term.column] = out.get(term.column, 0.0) + values
+    return out
 
 
 def systematic_miss(cases: Sequence[CaseRecord], *, last: int = 10, min_bias: float = 0.05, share: float = 0.7) -> dict[str, float]:
