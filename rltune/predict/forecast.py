@@ -37,7 +37,7 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +54,7 @@ from rltune.predict.setup import (
     setup_from_case,
     setup_from_job,
 )
-from rltune.predict.theory import STAGES, TheoryModel, measured_stages, modelled_settings
+from rltune.predict.theory import STAGES, TheoryModel, device_class, measured_stages, modelled_settings
 from rltune.steps import combine
 
 if TYPE_CHECKING:
@@ -72,6 +72,8 @@ RANGE_Z = 1.645  # two-sided 90 % of a normal in log space, before calibration
 THEORY_ONLY_SIGMA = 0.5
 MIN_CALIBRATION_FORECASTS = 8
 RL_MODE_SHARED_DEVICE_SIGMA = 0.4
+THEORY_SEEN_SHARE = 0.25  # sigma of a theory adjustment per unit of log step change it makes, fitted coefficients
+THEORY_UNSEEN_SHARE = 0.6  # the same where no case ran the new value: the coefficients are priors
 
 
 class _SettingMatrix:
@@ -180,7 +182,12 @@ class Prepared:
     matrix: _SettingMatrix
     range_scale: float
     modelled: set[str]
+    seen: set[tuple[str, str, str]] = field(default_factory=set)  # (device class, setting, repr(value)) some case ran
     _theory_memo: dict | None = None
+
+    def has_seen(self, device: str, name: str, value: Any) -> bool:
+        """Whether some case of this device class ran ``name`` at ``value``, so the fit saw its term there."""
+        return (device_class(device), name, repr(value)) in self.seen
 
     def theory_stages(self, setup: Setup) -> dict[str, float]:
         """Theory seconds per stage of one setup, memoised (anchor search asks for the same ones often)."""
@@ -230,6 +237,7 @@ def prepare(cases: Sequence[CaseRecord], theory: TheoryModel | None = None, *, f
         cases=ok, setups=setups, theory=model, effects=effects,
         case_theory=model.stages_many(setups) if setups else {s: np.zeros(0) for s in STAGES},
         matrix=_SettingMatrix(setups), range_scale=range_calibration(ok), modelled=modelled_settings(),
+        seen={(device_class(s.device), name, repr(value)) for s in setups for name, value in s.settings().items()},
     )
 
 
@@ -340,6 +348,11 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool,
         effect = p.effects.lookup(name, a, b, identity)
         if use_theory_for_all and name in p.modelled:
             continue  # already scaled by theory(target) / theory(case)
+        if effect is not None and not effect.same_job and name in p.modelled:
+            # Another job's ratios carry that job's mix of work (a decode-bound math rollout against a
+            # sandbox-bound tool-use one); the theory, fitted to both jobs' runs, already learned the
+            # change in seconds and splits it by this job's own terms.
+            effect = None
         if effect is not None:
             before = combine(current.rl_mode, *(stages[s] for s in STAGES))[0]
             for s in STAGES:
@@ -365,7 +378,11 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool,
             stages = {s: stages[s] * ratio[s] for s in STAGES}
             after = combine(moved.rl_mode, *(stages[s] for s in STAGES))[0]
             step = step * (after / before if before > 0 else 1.0)
-            var += (0.05 + 0.2 * max(abs(math.log(max(r, 1e-9))) for r in ratio.values())) ** 2
+            # The doubt is in proportion to how far theory moves the step (a stage too small to matter may
+            # move a lot); more where no case ever ran the new value, so its coefficients are only priors.
+            moved_step = abs(math.log(after / before)) if before > 0 and after > 0 else 0.0
+            share = THEORY_UNSEEN_SHARE if not p.has_seen(target.device, name, b) else THEORY_SEEN_SHARE
+            var += (0.05 + share * moved_step) ** 2
             current = moved
             continue
         slope = p.effects.elasticity(name, identity) if _positive(a) and _positive(b) else None

@@ -221,18 +221,35 @@ def test_learned_model_is_cached_beside_the_library_and_relearned_after_an_appen
 
 
 def test_another_jobs_measured_change_moves_the_stages_and_the_step_follows_this_jobs_mix():
-    """Math measured micro-batch 2 doubling training (step x1.5); a rollout-heavy tool-use job's step must grow less."""
+    """Math measured chunked prefill doubling training (step x1.5); a rollout-heavy tool-use job's step must grow less."""
+    assert "chunked_prefill" not in modelled_settings()  # only a measured pair can say what it does
     tool = {"job": "tiny-tool-use-cpu", "workload": "tool_use"}
-    math_base = make_case("m0", rollout=1.0, training=1.0, weight_sync=0.0, t=0)
-    math_mb2 = make_case("m1", rollout=1.0, training=2.0, weight_sync=0.0, knobs={"micro_batch_size": 2}, t=100)
-    tool_base = make_case("t0", rollout=8.0, training=1.0, weight_sync=0.0, t=200, step=9.9, **tool)  # 10 % overhead beyond the stages
-    p = prepare([math_base, math_mb2, tool_base], fit=False)
-    fc = forecast_prepared(p, target_like(tool_base, micro_batch_size=2))
+    off = {"chunked_prefill": False}
+    math_base = make_case("m0", rollout=1.0, training=1.0, weight_sync=0.0, knobs=off, t=0)
+    math_chunked = make_case("m1", rollout=1.0, training=2.0, weight_sync=0.0, knobs={"chunked_prefill": True}, t=100)
+    tool_base = make_case("t0", rollout=8.0, training=1.0, weight_sync=0.0, knobs=off, t=200, step=9.9, **tool)  # 10 % overhead beyond the stages
+    p = prepare([math_base, math_chunked, tool_base], fit=False)
+    fc = forecast_prepared(p, target_like(tool_base, chunked_prefill=True))
     assert fc.method == "anchor" and fc.cases[0].run_id == "t0" and fc.uncertain == []
     assert fc.stages_s["training"] == pytest.approx(2.0, rel=1e-3) and fc.stages_s["rollout"] == pytest.approx(8.0, rel=1e-3)
     assert fc.step_s == pytest.approx(9.9 * 10.0 / 9.0, rel=1e-3)  # not 9.9 x 1.5
-    same_job = forecast_prepared(p, target_like(math_base, micro_batch_size=2))
+    same_job = forecast_prepared(p, target_like(math_base, chunked_prefill=True))
     assert same_job.step_s == pytest.approx(3.0, rel=1e-6)  # the pair itself was measured: the anchor is m1
+
+
+def test_another_jobs_pair_on_a_setting_theory_reads_is_left_to_the_fitted_theory():
+    """A decode-bound job's concurrency pair must not move a rollout that theory says is mostly sandbox time."""
+    tool = {"job": "tiny-tool-use-cpu", "workload": "tool_use"}
+    math_base = make_case("m0", rollout=1.0, training=1.0, weight_sync=0.0, t=0)
+    math_c4 = make_case("m1", rollout=3.0, training=1.0, weight_sync=0.0, knobs={"engine_max_concurrency": 4}, t=100)
+    tool_base = make_case("t0", rollout=8.0, training=1.0, weight_sync=0.0, t=200, **tool)
+    p = prepare([math_base, math_c4, tool_base], fit=False)
+    target = target_like(tool_base, engine_max_concurrency=4)
+    fc = forecast_prepared(p, target)
+    ratio = p.theory_ratio(target, setup_from_case(tool_base))
+    assert fc.method == "anchor" and fc.cases[0].run_id == "t0"
+    assert ratio["rollout"] < 2.0  # the sandbox term does not change with concurrency
+    assert fc.stages_s["rollout"] == pytest.approx(8.0 * ratio["rollout"], rel=1e-6)  # not 8 x 3
 
 
 def test_rl_mode_rule_on_a_cpu_only_job_is_less_sure_than_on_gpus():
