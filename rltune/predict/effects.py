@@ -41,6 +41,7 @@ class Effect:
     spread: float
     pairs: int
     same_job: bool
+    contexts: frozenset[str] = frozenset()  # Setup.key() of each setup the change was measured from
 
 
 @dataclass
@@ -123,7 +124,7 @@ def _summarise(samples: list[dict[str, float]], same_job: bool, noise: float) ->
     spread = math.sqrt(spread ** 2 + 2 * noise ** 2 / len(samples))
     if not same_job:
         spread = math.sqrt(spread ** 2 + 0.05 ** 2)  # another job's change transfers only roughly
-    return Effect(mean, spread, len(samples), same_job)
+    return Effect(mean, spread, len(samples), same_job, frozenset(str(s["from"]) for s in samples if "from" in s))
 
 
 def knob_effects(cases: Sequence[CaseRecord], *, setups: Sequence[Setup] | None = None) -> KnobEffects:
@@ -133,6 +134,7 @@ def knob_effects(cases: Sequence[CaseRecord], *, setups: Sequence[Setup] | None 
     """
     groups: dict[tuple, list[CaseRecord]] = defaultdict(list)
     settings_of: dict[tuple, dict[str, Any]] = {}
+    context_of: dict[tuple, str] = {}
     for index, case in enumerate(cases):
         if case.status != "ok":
             continue
@@ -141,6 +143,7 @@ def knob_effects(cases: Sequence[CaseRecord], *, setups: Sequence[Setup] | None 
         full = (setup.identity(), tuple(sorted((k, _key(v)) for k, v in settings.items())))
         groups[full].append(case)
         settings_of[full] = settings
+        context_of[full] = setup.key()
     effects = KnobEffects()
     # Repeats: identical setups, averaged in log space; their spread is the run-to-run noise.
     means: dict[tuple, dict[str, float]] = {}
@@ -168,14 +171,15 @@ def knob_effects(cases: Sequence[CaseRecord], *, setups: Sequence[Setup] | None 
         for i, x in enumerate(members):
             for y in members[i + 1:]:
                 a, b = settings_of[x].get(name), settings_of[y].get(name)
-                diff = {m: means[y][m] - means[x][m] for m in MEASURES}
-                back = {m: -v for m, v in diff.items()}
+                diff: dict[str, Any] = {m: means[y][m] - means[x][m] for m in MEASURES}
+                back: dict[str, Any] = {m: -v for m, v in diff.items()}
+                diff["from"], back["from"] = context_of[x], context_of[y]
                 for job_key, sample in (((identity, name, _key(a), _key(b)), diff), ((identity, name, _key(b), _key(a)), back)):
                     effects.by_job[job_key].append(sample)
                     effects.by_setting[job_key[1:]].append(sample)
                 if _positive(a) and _positive(b) and a != b:
                     span = math.log(float(b) / float(a))
-                    slope = {m: diff[m] / span for m in MEASURES}
+                    slope: dict[str, Any] = {m: diff[m] / span for m in MEASURES}
                     effects.slopes[(identity, name)].append(slope)
                     effects.slopes[(None, name)].append(slope)
     return effects

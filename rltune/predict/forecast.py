@@ -10,9 +10,12 @@ Three methods, tried in order:
 
 1. **anchor** -- a measured run of the same job (same identity and RL mode -- or another RL mode
    where a measured pair gives that mode change) with a similar setup.
-   Its measured times are adjusted for each differing setting: by the change earlier runs measured
-   (:mod:`rltune.predict.effects`), else by theory (``theory(changed) / theory(case)``) if a term
-   reads that setting, else by a measured elasticity of a numeric setting, else not at all -- the
+   Its measured times are adjusted for each differing setting: by the change earlier runs of this
+   job measured (:mod:`rltune.predict.effects`; its step ratio where it was measured from this very
+   setup, else its stage ratios, recombined by the RL-mode rule), else by theory
+   (``theory(changed) / theory(case)``, priced by the prior coefficients where no case ran the new
+   value) if a term reads that setting, else by another job's measured change, else by a measured
+   elasticity of a numeric setting, else not at all -- the
    setting is then *uncertain* and its similarity weight is added to the anchor's uncertainty. An
    anchor whose uncertainty exceeds :data:`ANCHOR_UNCERTAINTY_BUDGET`, or that needs more than
    :data:`MAX_ANCHOR_ADJUSTMENTS` adjustments, is not used. An identical anchor gives its measured
@@ -184,6 +187,7 @@ class Prepared:
     modelled: set[str]
     seen: set[tuple[str, str, str]] = field(default_factory=set)  # (device class, setting, repr(value)) some case ran
     _theory_memo: dict | None = None
+    _prior_theory: TheoryModel | None = None
 
     def has_seen(self, device: str, name: str, value: Any) -> bool:
         """Whether some case of this device class ran ``name`` at ``value``, so the fit saw its term there."""
@@ -216,6 +220,13 @@ class Prepared:
         t, c = self.theory_stages(target), self.theory_stages(case)
         return {s: t[s] / c[s] if c[s] > 0 else 1.0 for s in STAGES}
 
+    def prior_ratio(self, target: Setup, case: Setup) -> dict[str, float]:
+        """theory(target) / theory(case) with the prior coefficients, for a value no case ran (see :func:`_adjust`)."""
+        if self._prior_theory is None:
+            self._prior_theory = TheoryModel()
+        both = self._prior_theory.stages_many([target, case])
+        return {s: float(v[0] / v[1]) if v[1] > 0 else 1.0 for s, v in both.items()}
+
 
 def prepare(cases: Sequence[CaseRecord], theory: TheoryModel | None = None, *, fit: bool = True,
             cache_dir: str | os.PathLike | None = None) -> Prepared:
@@ -245,7 +256,7 @@ _LEARNED_CACHE: dict[str, tuple[TheoryModel, KnobEffects]] = {}
 _FIT_CACHE = _LEARNED_CACHE  # older name, still cleared by callers that want a cold start
 MODEL_CACHE_NAME = "_model.json"
 THEORY_CACHE_NAME = MODEL_CACHE_NAME
-MODEL_CACHE_FORMAT = 4  # bump when the fit or the effects change meaning: old caches are then refit
+MODEL_CACHE_FORMAT = 5  # bump when the fit or the effects change meaning: old caches are then refit
 
 
 def _learned_key(model: TheoryModel, cases: Sequence[CaseRecord], fit: bool) -> str:
@@ -357,11 +368,14 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool,
             before = combine(current.rl_mode, *(stages[s] for s in STAGES))[0]
             for s in STAGES:
                 stages[s] = (stages[s] + EPS_S) * math.exp(effect.log_ratio[s]) - EPS_S
-            if effect.same_job or name == "rl_mode":
-                # This job measured the change on its step directly. An RL-mode change is taken as a step
-                # ratio from any job: the mode changes what the stage columns mean (overlapped wall time).
+            if name == "rl_mode" or current.key() in effect.contexts:
+                # This setup measured the change on its step directly. An RL-mode change is taken as a step
+                # ratio from any setup: the mode changes what the stage columns mean (overlapped wall time).
                 step = (step + EPS_S) * math.exp(effect.log_ratio["step"]) - EPS_S
-            else:  # another job's stage ratios transfer; its step ratio does not (the stages weigh differently here)
+            else:
+                # Measured from other setups (of this job or another), the stage ratios transfer; the step
+                # ratio does not: here the stages weigh differently (a micro-batch change that was 30 % of a
+                # 0.7 s step is 10 % of a concurrency-starved 1.1 s one).
                 after = combine(current.rl_mode, *(max(stages[s], 0.0) for s in STAGES))[0]
                 step = step * (after / before if before > 0 else 1.0)
             var += effect.spread ** 2
@@ -373,7 +387,11 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool,
                 collect += (moved, current)
                 current = moved
                 continue
-            ratio = p.theory_ratio(moved, current)
+            seen = p.has_seen(target.device, name, b)
+            # A value no case ran left the coefficients that price it unidentified: the fit may have bent
+            # them to explain other runs (a micro-batch cost constant over the library trades freely with
+            # a fixed cost), so the change is priced by the physical priors instead.
+            ratio = p.theory_ratio(moved, current) if seen else p.prior_ratio(moved, current)
             before = combine(moved.rl_mode, *(stages[s] for s in STAGES))[0]
             stages = {s: stages[s] * ratio[s] for s in STAGES}
             after = combine(moved.rl_mode, *(stages[s] for s in STAGES))[0]
@@ -381,7 +399,7 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool,
             # The doubt is in proportion to how far theory moves the step (a stage too small to matter may
             # move a lot); more where no case ever ran the new value, so its coefficients are only priors.
             moved_step = abs(math.log(after / before)) if before > 0 and after > 0 else 0.0
-            share = THEORY_UNSEEN_SHARE if not p.has_seen(target.device, name, b) else THEORY_SEEN_SHARE
+            share = THEORY_SEEN_SHARE if seen else THEORY_UNSEEN_SHARE
             var += (0.05 + share * moved_step) ** 2
             current = moved
             continue

@@ -38,11 +38,26 @@ def test_anchor_adjusts_by_a_change_earlier_runs_measured():
     p = prepare([b0, mb4, packed], fit=False)
     fc = forecast_prepared(p, target_like(b0, micro_batch_size=4, packing=True))
     assert fc.method == "anchor"
-    # two equally close anchors: packed moved by the measured micro-batch change, mb4 moved by the measured packing change
-    via_packed = packed.step_s * mb4.step_s / b0.step_s
-    via_mb4 = mb4.step_s * packed.step_s / b0.step_s
-    assert fc.step_s == pytest.approx((via_packed + via_mb4) / 2, rel=1e-3)
+    # two equally close anchors: packed moved by the measured micro-batch change, mb4 moved by the measured packing change.
+    # Both changes were measured from b0, not from the anchor, so their stage ratios move the anchor's stages and the
+    # step follows the stages (a step ratio from b0 would weigh them as b0 does): 1.2 + 1.6 x 0.75 + 0.1 either way.
     assert fc.stages_s["training"] == pytest.approx(1.6 * 1.5 / 2.0, rel=1e-2)
+    assert fc.stages_s["rollout"] == pytest.approx(1.2, rel=1e-2)
+    assert fc.step_s == pytest.approx(1.2 + 1.6 * 1.5 / 2.0 + 0.1, rel=1e-3)
+    assert fc.step_s != pytest.approx(packed.step_s * mb4.step_s / b0.step_s, rel=1e-2)
+
+
+def test_a_value_no_case_ran_is_priced_by_the_prior_theory_not_the_fit():
+    """Every case ran micro-batch 8, so the fit cannot tell its per-micro-batch cost from a fixed cost."""
+    runs = [make_case(f"b{i}", rollout=1.0, training=0.4 + 0.01 * i, weight_sync=0.02, t=100 * i) for i in range(3)]
+    p = prepare(runs)
+    base = setup_from_case(runs[0])
+    target = base.with_knobs(micro_batch_size=2)
+    assert not p.has_seen(target.device, "micro_batch_size", 2) and p.has_seen(target.device, "micro_batch_size", 8)
+    fc = forecast_prepared(p, target)
+    prior = p.prior_ratio(target, base)["training"]
+    assert prior > 1.1  # more micro-batches cost more by the priors
+    assert fc.stages_s["training"] == pytest.approx(np.mean([r.measured["training_s"] for r in runs]) * prior, rel=1e-3)
 
 
 def test_an_unestimable_difference_over_budget_disqualifies_the_anchor():
