@@ -6,7 +6,9 @@ Sections (each reports min/median/max ms, GB/s and the ratio to its baseline):
              of 1 % and 4 % changes into 1 GiB of bf16 vs a plain ``index_put_`` scatter of the same changes;
 - diff:      diff/extract of 1 GiB of bf16 in 64 M-element chunks vs ``torch.nonzero(a != b)``;
 - checksum:  full checksum of 1 GiB vs a device copy of it (copy bandwidth counts read + write);
-- step:      AdamW (fused) on ~0.5 B bf16 parameters: chunked step with the delta recorder vs a plain step.
+- step:      AdamW (fused) on ~0.5 B bf16 parameters: chunked step with the delta recorder vs a plain step;
+- tune:      (GPU, runs first when asked for) launch configurations of checksum, diff and apply; the
+             other sections then run with the fastest, recorded as ``launch_config``.
 
 Usage (GPU; one command, no input, fails loudly)::
 
@@ -216,46 +218,80 @@ def bench_step(dev, timer, total, tensors, chunk) -> dict:
                 changed_fraction=statistics.median(fractions))
 
 
-def bench_tune(dev, timer, total) -> dict:
-    """Launch configurations of the checksum and diff kernels, each timed on the same data."""
+CHECKSUM_CONFIGS = ((512, 16, 4), (1024, 8, 4), (1024, 4, 4), (2048, 4, 8), (1024, 16, 8), (2048, 8, 8),
+                    (512, 32, 4), (4096, 4, 8))
+DIFF_CONFIGS = ((1024, 4), (512, 4), (2048, 4), (2048, 8), (4096, 8))
+APPLY_CONFIGS = ((1024, 4), (512, 4), (1024, 8), (2048, 8), (4096, 8), (256, 2))
+
+
+def bench_tune(dev, timer, total, tensors) -> dict:
+    """Launch configurations of the checksum, diff and apply kernels, each timed on the same data.
+
+    Returns every timing and the fastest configuration of each kernel, which the other sections
+    then run with (recorded as ``launch_config``).
+    """
     from rltune.sync.kernels import triton_kernels as tk
 
     bits = as_bits(torch.randn(total, device=dev).to(torch.bfloat16))
     new = bits.clone()
     new[::97] ^= 1
-    saved = (tk.CHECKSUM_BLOCK, tk.CHECKSUM_TILES, tk.CHECKSUM_WARPS, tk.DIFF_BLOCK, tk.DIFF_WARPS)
-    out = dict(checksum={}, diff={})
-    try:
-        for block, tiles, warps in ((1024, 32, 4), (1024, 8, 4), (2048, 4, 8), (4096, 1, 8), (2048, 16, 8),
-                                    (4096, 4, 8), (512, 16, 4)):
-            tk.CHECKSUM_BLOCK, tk.CHECKSUM_TILES, tk.CHECKSUM_WARPS = block, tiles, warps
-            out["checksum"][f"{block}x{tiles}w{warps}"] = timer(lambda: K.checksum(bits))["median_ms"]
-        chunk = min(total, 1 << 26)
-        for block, warps in ((1024, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)):
-            tk.DIFF_BLOCK, tk.DIFF_WARPS = block, warps
-            sink = K.ChangeSink(total // 50, chunk, -(-total // chunk), dev)
-            programs = tk.diff_programs(chunk)
-            scratch = sink._scratch_for(torch.int16)
-            outs = (torch.empty(total // 50, dtype=torch.int64, device=dev),
-                    torch.empty(total // 50, dtype=torch.int32, device=dev),
-                    torch.empty(total // 50, dtype=torch.int32, device=dev))
-            starts = torch.zeros(-(-total // chunk) + 1, dtype=torch.int64, device=dev)
+    out = dict(checksum={}, diff={}, apply={})
+    for block, tiles, warps in CHECKSUM_CONFIGS:
+        tk.CHECKSUM_BLOCK, tk.CHECKSUM_TILES, tk.CHECKSUM_WARPS = block, tiles, warps
+        out["checksum"][f"{block}x{tiles}w{warps}"] = timer(lambda: K.checksum(bits))["median_ms"]
+    chunk = min(total, 1 << 26)
+    cap = total // 50
+    outs = (torch.empty(cap, dtype=torch.int64, device=dev), torch.empty(cap, dtype=torch.int32, device=dev),
+            torch.empty(cap, dtype=torch.int32, device=dev))
+    starts = torch.zeros(-(-total // chunk) + 1, dtype=torch.int64, device=dev)
+    for block, warps in DIFF_CONFIGS:
+        tk.DIFF_BLOCK, tk.DIFF_WARPS = block, warps
+        programs = tk.diff_programs(chunk)
+        scratch = (torch.empty(programs * block, dtype=torch.int32, device=dev),
+                   torch.empty(programs * block, dtype=torch.int16, device=dev),
+                   torch.empty(programs * block, dtype=torch.int16, device=dev),
+                   torch.empty(programs, dtype=torch.int32, device=dev),
+                   torch.empty(programs, dtype=torch.int64, device=dev))
 
-            def both(scratch=scratch, outs=outs, starts=starts):
-                for k, a in enumerate(range(0, total, chunk)):
-                    tk.diff_extract_launch(bits[a:a + chunk], new[a:a + chunk], a, 0xFFFF, scratch, starts, k, outs,
-                                           total // 50)
+        def both(scratch=scratch):
+            for k, a in enumerate(range(0, total, chunk)):
+                tk.diff_extract_launch(bits[a:a + chunk], new[a:a + chunk], a, 0xFFFF, scratch, starts, k, outs, cap)
 
-            def compact_only(scratch=scratch, programs=programs):
-                for a in range(0, total, chunk):
-                    tk._diff_compact_kernel[(programs,)](bits[a:a + chunk], new[a:a + chunk], chunk, a, *scratch,
-                                                        MASK=0xFFFF, BLOCK=tk.DIFF_BLOCK, num_warps=tk.DIFF_WARPS)
+        def compact_only(scratch=scratch, programs=programs):
+            for a in range(0, total, chunk):
+                tk._diff_compact_kernel[(programs,)](bits[a:a + chunk], new[a:a + chunk], chunk, a, *scratch,
+                                                    MASK=0xFFFF, BLOCK=tk.DIFF_BLOCK, num_warps=tk.DIFF_WARPS)
 
-            out["diff"][f"{block}w{warps}"] = dict(both_ms=timer(both)["median_ms"],
-                                                   compact_only_ms=timer(compact_only)["median_ms"])
-    finally:
-        (tk.CHECKSUM_BLOCK, tk.CHECKSUM_TILES, tk.CHECKSUM_WARPS, tk.DIFF_BLOCK, tk.DIFF_WARPS) = saved
+        out["diff"][f"{block}w{warps}"] = dict(both_ms=timer(both)["median_ms"],
+                                               compact_only_ms=timer(compact_only)["median_ms"])
+    per = total // tensors
+    params = list(bits.view(tensors, per).unbind(0))
+    plan = K.ApplyPlan(params, [K.strided_layout(t, [per]) for t in range(tensors)])
+    idx, _, offsets, vals = random_changes([per] * tensors, 0.01, dev, seed=5)
+    val32, entry_tensor = vals.to(torch.int32), torch.arange(tensors, device=dev)
+    for block, warps in APPLY_CONFIGS:
+        tk.APPLY_BLOCK, tk.APPLY_WARPS = block, warps
+        out["apply"][f"{block}w{warps}"] = timer(
+            lambda: plan.apply(entry_tensor, offsets, idx, val32, add=False))["median_ms"]
+    best = {k: min(v, key=lambda c: v[c]["both_ms"] if k == "diff" else v[c]) for k, v in out.items()}
+    out["best"] = best
     return out
+
+
+def set_launch_config(best: dict) -> dict:
+    """Set the kernels' launch constants to the tuned ones; returns the configuration in force."""
+    import re
+
+    from rltune.sync.kernels import triton_kernels as tk
+
+    if "checksum" in best:
+        tk.CHECKSUM_BLOCK, tk.CHECKSUM_TILES, tk.CHECKSUM_WARPS = map(int, re.findall(r"\d+", best["checksum"]))
+    if "diff" in best:
+        tk.DIFF_BLOCK, tk.DIFF_WARPS = map(int, re.findall(r"\d+", best["diff"]))
+    if "apply" in best:
+        tk.APPLY_BLOCK, tk.APPLY_WARPS = map(int, re.findall(r"\d+", best["apply"]))
+    return dict(checksum=[tk.CHECKSUM_BLOCK, tk.CHECKSUM_TILES, tk.CHECKSUM_WARPS], diff=[tk.DIFF_BLOCK, tk.DIFF_WARPS],
+                apply=[tk.APPLY_BLOCK, tk.APPLY_WARPS])
 
 
 def git_sha() -> str:
@@ -289,6 +325,12 @@ def main() -> None:
                   git_sha=args.git_sha or git_sha(), tiny=args.tiny, repeats=repeats, bf16_elements=total,
                   time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     chunk = (1 << 16) if args.tiny else (1 << 26)
+    if "tune" in sections and dev.type == "cuda":
+        # first, so every other section runs with the fastest launch configuration measured here
+        record["tune"] = bench_tune(dev, timer, total, 64)
+        record["launch_config"] = set_launch_config(record["tune"]["best"])
+    else:
+        record["launch_config"] = set_launch_config({})
     if "apply" in sections:
         record["apply"] = bench_apply(dev, timer, total, 8 if args.tiny else 64, [0.01, 0.04])
     if "diff" in sections:
@@ -297,8 +339,6 @@ def main() -> None:
         record["checksum"] = bench_checksum(dev, timer, total)
     if "step" in sections:
         record["step"] = bench_step(dev, timer, total, 4 if args.tiny else 16, chunk)
-    if "tune" in sections and dev.type == "cuda":
-        record["tune"] = bench_tune(dev, timer, total)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
     print(json.dumps(record, indent=1))

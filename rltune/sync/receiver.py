@@ -62,7 +62,7 @@ class DeltaReceiver:
     """One engine worker's view of a broadcast root (see the module docstring)."""
 
     def __init__(self, root: str | Path, model: torch.nn.Module, index_map: IndexMap, *, group: Any = None,
-                 apply_fn: ApplyFn = apply_mapped_delta_ref):
+                 apply_fn: ApplyFn = apply_mapped_delta_ref, fused: bool | None = None, fused_backend: str = "auto"):
         self.store = BroadcastStore(root)
         params = dict(model.named_parameters())
         missing = [n for n in index_map.param_names if n not in params]
@@ -79,7 +79,15 @@ class DeltaReceiver:
         self._shares: dict[str, int] = {}
         self._multiplicity: dict[str, int] | None = None
         self._names: list[str] = []
-        self._prefetched: dict[tuple[str, int], dict[str, list]] = {}
+        self._prefetched: dict[tuple[str, int], Any] = {}
+        # fused: one multi-tensor kernel launch per delta (rltune.sync.kernels.ApplyPlan) with the
+        # changes staged on the device at prefetch; None = when the parameters are on a GPU.
+        self._fused = (self.params[0].device.type == "cuda") if fused is None else fused
+        self._fused_backend = fused_backend
+        self._apply_plan = None
+        self._layout_of: dict[str, int] = {}
+        self._plan_names: list[str] = []
+        self._plan_addresses: list[int] = []
 
     # ------------------------------------------------------------------------- group plumbing
 
@@ -147,6 +155,24 @@ class DeltaReceiver:
                                         "its checksum cannot be verified")
             mult[name] = m
         self._names, self._multiplicity = names, mult
+        if self._fused:
+            self._fused_plan(manifest)
+
+    def _fused_plan(self, manifest: dict[str, Any]):
+        """The fused kernel's plan for this index map: built, and compiled, at the first load; its
+        tables are rebuilt (no recompile) if the engine moved a parameter's storage."""
+        from rltune.sync.kernels import ApplyPlan, layouts_from_index_map
+
+        addresses = [p.data_ptr() for p in self.params]
+        if self._apply_plan is not None and addresses == self._plan_addresses:
+            return self._apply_plan
+        shapes = {n: (manifest["tensors"][n]["shape"] if n in manifest["tensors"] else [r.numel])
+                  for n, r in self.imap.tensors.items()}
+        names, layouts = layouts_from_index_map(self.imap, shapes)
+        self._apply_plan = ApplyPlan([p.data for p in self.params], layouts, backend=self._fused_backend)
+        self._layout_of = {n: i for i, n in enumerate(names)}
+        self._plan_names, self._plan_addresses = names, addresses
+        return self._apply_plan
 
     # ------------------------------------------------------------------------- reading
 
@@ -199,6 +225,49 @@ class DeltaReceiver:
                                                              torch.from_numpy(hdiff[sel]), torch.from_numpy(hidx[sel])))
         return changes
 
+    def _stage_changes(self, step: int) -> dict[str, Any]:
+        """A delta step's changes for the fused kernel, as one flat batch already on the device.
+
+        Entries follow the parts; each names a layout (checkpoint tensor; a tied tensor gets its
+        own entry with the same changes); the kernel skips changes this worker does not hold.
+        """
+        m = self.store.manifest(step)
+        if m["kind"] == "full":
+            raise fmt.ChainError(f"{self.store.step_dir(step)}: step {step} is a full checkpoint, not a delta")
+        self._fused_plan(m)
+        tied: dict[str, list[str]] = {}
+        for name, t in m["tensors"].items():
+            if t["tied_to"] is not None:
+                tied.setdefault(t["tied_to"], []).append(name)
+        layouts, idx_parts, val_parts = [], [], []
+        for path, start, header in self._part_paths(step, m, "parts"):
+            for e in header["entries"]:
+                targets = [n for n in [e["name"], *tied.get(e["name"], [])]
+                           if n in self.imap.tensors and self.imap.tensors[n].held]
+                if not targets:
+                    continue  # this worker holds none of it: not even decoded
+                bits = _DTYPE_BITS[m["tensors"][e["name"]]["dtype"]]
+                idx, diff = codec.decode(fmt.read_entry_bytes(path, start, e), e["start"], e["stop"], bits)
+                if len(idx) != e["changes"]:
+                    raise fmt.CodecError(f"{path}: entry {e['name']} decodes to {len(idx)} changes, header says {e['changes']}")
+                # differences wrap modulo 2^bits; as int32 (sign-wrapped) they add exactly in the kernel
+                val = ((diff + (1 << 31)) & 0xFFFFFFFF) - (1 << 31)
+                for name in targets:
+                    layouts.append(self._layout_of[name])
+                    idx_parts.append(idx)
+                    val_parts.append(val)
+        lengths = [len(i) for i in idx_parts]
+        host = dict(entry_tensor_E=torch.tensor(layouts, dtype=torch.int64),
+                    entry_offsets_E1=torch.tensor(np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))),
+                    idx_C=torch.from_numpy(np.concatenate(idx_parts) if idx_parts else np.zeros(0, np.int64)),
+                    val_C=torch.from_numpy((np.concatenate(val_parts) if val_parts else np.zeros(0, np.int64))
+                                           .astype(np.int32)))
+        dev = self.params[0].device
+        if dev.type == "cuda":
+            host = {k: v.pin_memory().to(dev, non_blocking=True) for k, v in host.items()}
+            torch.cuda.current_stream(dev).synchronize()  # staged before the pause; the pinned copies may go
+        return dict(host, entry_names=[self._plan_names[li] for li in layouts])
+
     # ------------------------------------------------------------------------- public API
 
     def prefetch(self, step: int) -> bool:
@@ -210,7 +279,8 @@ class DeltaReceiver:
             m = self.store.manifest(step)
             if m["kind"] == "full":
                 return False
-            self._prefetched = {(m["run_id"], step): self._read_changes(step)}
+            read = self._stage_changes if self._fused else self._read_changes
+            self._prefetched = {(m["run_id"], step): read(step)}
             return True
         except RltuneError:
             self.store.forget(step)
@@ -288,6 +358,10 @@ class DeltaReceiver:
     def _apply_delta(self, step: int) -> int:
         m = self.store.manifest(step)
         key = (m["run_id"], step)
+        if self._fused:
+            staged = self._prefetched.pop(key) if key in self._prefetched else self._stage_changes(step)
+            self._prefetched.clear()
+            return self._apply_fused(step, staged)
         changes = self._prefetched.pop(key) if key in self._prefetched else self._read_changes(step)
         self._prefetched.clear()
         applied = 0
@@ -302,6 +376,18 @@ class DeltaReceiver:
         self.step = step
         self.deltas_applied += 1
         return applied
+
+    def _apply_fused(self, step: int, staged: dict[str, Any]) -> int:
+        """One kernel launch patches every tensor; one host sync reads the per-entry checksum changes."""
+        plan = self._fused_plan(self.store.manifest(step))
+        result = plan.apply(staged["entry_tensor_E"], staged["entry_offsets_E1"], staged["idx_C"], staged["val_C"],
+                            add=True)
+        changes, written = torch.stack([result.checksum_E, result.written_E]).tolist()
+        for name, change in zip(staged["entry_names"], changes, strict=True):
+            self._shares[name] = (self._shares.get(name, 0) + int(change)) & MASK64
+        self.step = step
+        self.deltas_applied += 1
+        return int(sum(written))
 
     def _load_anchor(self, step: int) -> None:
         m = self.store.manifest(step)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -35,9 +36,9 @@ def _fresh_copy(run, tmp_path):
     return root
 
 
-def _receiver_at(run, root, step):
+def _receiver_at(run, root, step, **kw):
     """A receiver that loaded anchor 3 (steps 0-2 are pruned by then) and followed deltas up to ``step``."""
-    engine, rx = make_receiver(root, run["cfg"], run["m0"])
+    engine, rx = make_receiver(root, run["cfg"], run["m0"], **kw)
     for s in range(3, step + 1):
         rx.apply(s)
     assert rx.step == step and rx.valid
@@ -52,14 +53,27 @@ def _delta_path(root, step):
     return root / fmt.step_dir_name(step) / "rank-00000.delta"
 
 
+# per-run apply (torch reference), the fused multi-tensor apply through its torch reference, and
+# the fused Triton kernel (under TRITON_INTERPRET=1 on the CPU, as CI runs it)
+APPLY_PATHS = {"per-run": dict(fused=False), "fused-ref": dict(fused=True, fused_backend="torch"),
+               "fused-triton": dict(fused=True, fused_backend="triton")}
+
+
+def _apply_path(name):
+    if name == "fused-triton" and os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("the Triton kernel runs on a GPU or under TRITON_INTERPRET=1")
+    return APPLY_PATHS[name]
+
+
+@pytest.mark.parametrize("path", list(APPLY_PATHS))
 @pytest.mark.parametrize("kind", ["adamw-bf16", "adamw-fp32-master", "signsgd-tied"])
-def test_a_late_joiner_ends_bit_identical_to_a_follower(tmp_path, kind):
+def test_a_late_joiner_ends_bit_identical_to_a_follower(tmp_path, kind, path):
     kw = dict(adamw_bf16={}, adamw_fp32_master=dict(dtype=torch.float32, wire_dtype=torch.bfloat16),
               signsgd_tied=dict(optimizer="signsgd", tie=True, lr=1e-2))[kind.replace("-", "_")]
     tr = Trainer(tmp_path, interval=4, **kw)
     m0 = tr.pub.publish(0)
     cfg = engine_cfg(tr)
-    follower, rx = make_receiver(tmp_path, cfg, m0)
+    follower, rx = make_receiver(tmp_path, cfg, m0, **_apply_path(path))
     assert rx.apply(0).action == "reload"
     for s in range(1, 7):
         tr.train_step()
@@ -67,7 +81,7 @@ def test_a_late_joiner_ends_bit_identical_to_a_follower(tmp_path, kind):
         assert rx.prefetch(s)
         report = rx.apply(s)
         assert report.action == "delta" and report.changes_applied > 0
-    joiner, rj = make_receiver(tmp_path, cfg, m0)
+    joiner, rj = make_receiver(tmp_path, cfg, m0, **_apply_path(path))
     report = rj.load_latest()
     assert (report.action, report.anchor, report.deltas) == ("reload", 4, [5, 6])  # joins at a non-anchor step
     ref = reference_engine(cfg, tr.wire_state())
@@ -147,22 +161,23 @@ def _fix_manifest_size(root, step, size, key="parts"):
     fmt.write_manifest(d, m)
 
 
-def test_wrong_values_with_valid_bytes_fail_the_tensor_checksum(run, tmp_path):
+@pytest.mark.parametrize("path", list(APPLY_PATHS))
+def test_wrong_values_with_valid_bytes_fail_the_tensor_checksum(run, tmp_path, path):
     # The bug peers report: the checksum of the bytes sent passes while the apply writes wrong values.
     root = _fresh_copy(run, tmp_path)
-    engine, rx = _receiver_at(run, root, 3)
+    engine, rx = _receiver_at(run, root, 3, **_apply_path(path))
 
     def plus_one(e, blob):
         idx, diff = codec.decode(blob, e["start"], e["stop"])
         diff[0] = diff[0] + 1 if diff[0] != -1 else 1
         return codec.encode(idx, diff, 16, e["start"], e["stop"])
 
-    path = _delta_path(root, 4)
-    good = path.read_bytes()
-    _fix_manifest_size(root, 4, _rewrite_part(path, plus_one))
+    part = _delta_path(root, 4)
+    good = part.read_bytes()
+    _fix_manifest_size(root, 4, _rewrite_part(part, plus_one))
     with pytest.raises(fmt.ChecksumMismatchError):
         rx.apply(4)
-    path.write_bytes(good)
+    part.write_bytes(good)
     _fix_manifest_size(root, 4, len(good))
     rx.store.forget(4)
     assert rx.apply(4).action == "reload"
@@ -341,3 +356,22 @@ def test_running_shares_equal_a_full_recompute(run):
     assert 0 <= running[first] <= MASK64
     assert as_bits(next(engine.parameters()).data).dtype == torch.int16
     assert np.int64(rx.imap.tensors[first].held) > 0
+
+
+def test_fused_apply_follows_an_engine_that_moved_a_parameter(run, tmp_path):
+    # An engine that swaps a parameter's storage (a reload path that assigns .data) must not be patched
+    # through the old address: the plan's tables are rebuilt before the launch.
+    engine, rx = _receiver_at(run, run["root"], 3, **_apply_path("fused-ref"))
+    name, p = next(iter(engine.named_parameters()))
+    p.data = p.data.clone()
+    rx.apply(4)
+    _assert_at(run, engine, 4)
+
+
+def test_fused_staging_skips_tensors_this_worker_does_not_hold(run):
+    engine, rx = make_receiver(run["root"], run["cfg"], run["m0"], tp_rank=1, tp_size=2, fused=True,
+                               fused_backend="torch")
+    staged = rx._stage_changes(4)
+    held = {n for n, r in rx.imap.tensors.items() if r.held}
+    assert set(staged["entry_names"]) <= held and staged["entry_names"]
+    assert staged["idx_C"].numel() == int(staged["entry_offsets_E1"][-1]) and staged["val_C"].dtype == torch.int32

@@ -63,8 +63,9 @@ def _worker(rank, world, port, root, cfg, m0, state_path, out_dir):
         rx.prefetch(5)
         result["last"] = rx.apply(5).action
         result["follower_equal"] = equal(follower)
-        # A fresh engine joining at step 5 (not an anchor): anchor 3, only its own rows, replay 4 and 5.
-        joiner, rj = make_receiver(root, cfg, m0, rank, world, group=group)
+        # A fresh engine joining at step 5 (not an anchor): anchor 3, only its own rows, replay 4 and 5,
+        # through the fused multi-tensor apply (its torch reference) over this rank's row/column windows.
+        joiner, rj = make_receiver(root, cfg, m0, rank, world, group=group, fused=True, fused_backend="torch")
         report = rj.load_latest()
         result["join"] = [report.action, report.anchor, report.deltas]
         result["joiner_equal"] = equal(joiner)

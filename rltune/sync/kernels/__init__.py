@@ -296,12 +296,38 @@ def table_layout(target: int, ncols: int, row_offsets: torch.Tensor, col_offsets
                 col_table=torch.as_tensor(col_offsets, dtype=torch.int64))
 
 
+def _strided_from_runs(runs, target: int, n_rows: int, ncols: int) -> dict | None:
+    """A strided layout for runs that hold a row window, a column window or both (one parameter),
+    found from the runs alone (O(runs), no per-element arrays); None if the runs are not such a window."""
+    cs, ln, ps = runs.ckpt_start, runs.length, runs.param_start
+    order = np.argsort(cs, kind="stable")
+    cs, ln, ps = cs[order], ln[order], ps[order]
+    # merge runs contiguous in both the checkpoint and the parameter
+    joined = (cs[1:] == cs[:-1] + ln[:-1]) & (ps[1:] == ps[:-1] + ln[:-1])
+    heads = np.flatnonzero(np.concatenate(([True], ~joined)))
+    cs, ps = cs[heads], ps[heads]
+    ln = np.add.reduceat(ln, heads)
+    if len(cs) == 1 and cs[0] % ncols == 0 and ln[0] % ncols == 0:  # whole rows [r0, r1)
+        r0 = int(cs[0]) // ncols
+        return strided_layout(target, [n_rows, ncols], base=int(ps[0]) - r0 * ncols, rows=(r0, r0 + int(ln[0]) // ncols))
+    width = int(ln[0])
+    c0 = int(cs[0]) % ncols
+    r = cs // ncols
+    if (np.all(ln == width) and np.all(cs % ncols == c0) and c0 + width <= ncols and np.all(np.diff(r) == 1)
+            and np.all(ps == ps[0] + (r - r[0]) * width)):  # columns [c0, c0 + width) of rows [r0, r1)
+        r0 = int(r[0])
+        return strided_layout(target, [n_rows, ncols], base=int(ps[0]) - r0 * width - c0, rows=(r0, r0 + len(cs)),
+                              cols=(c0, c0 + width))
+    return None
+
+
 def layouts_from_index_map(index_map, shapes: dict[str, list[int]]) -> tuple[list[str], list[dict]]:
     """Layouts of a recorded :class:`~rltune.sync.indexmap.IndexMap` (runs) for the fused kernel.
 
     Returns the checkpoint names in layout order and their layouts; ``target`` is the index into
-    ``index_map.param_names``. Raises :class:`LayoutError` when a tensor's elements go to more than
-    one parameter or its positions are not ``rows[r] + cols[c]``.
+    ``index_map.param_names``. Row and column windows become strided layouts (the kernel's fast
+    path); other placements become row/column offset tables. Raises :class:`LayoutError` when a
+    tensor's elements go to more than one parameter or its positions are not ``rows[r] + cols[c]``.
     """
     names, layouts = [], []
     for name, runs in index_map.tensors.items():
@@ -316,6 +342,10 @@ def layouts_from_index_map(index_map, shapes: dict[str, list[int]]) -> tuple[lis
         if len(params) != 1:
             raise LayoutError(f"{name}: elements go to {len(params)} parameters; the fused apply needs one "
                               "parameter per checkpoint tensor (use apply_mapped_delta per run)")
+        strided = _strided_from_runs(runs, int(params[0]), n_rows, ncols)
+        if strided is not None:
+            layouts.append(strided)
+            continue
         ckpt = np.concatenate([np.arange(s, s + n) for s, n in zip(runs.ckpt_start, runs.length, strict=True)])
         pos = np.concatenate([np.arange(s, s + n) for s, n in zip(runs.param_start, runs.length, strict=True)])
         r, c = ckpt // ncols, ckpt % ncols

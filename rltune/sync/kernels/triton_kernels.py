@@ -33,6 +33,7 @@ DIFF_BLOCK = 1024
 DIFF_WARPS = 4
 DIFF_COPY = 256
 APPLY_BLOCK = 1024
+APPLY_WARPS = 4
 
 # Columns of the per-checkpoint-tensor layout table used by the fused apply kernel.
 LAYOUT_FIELDS = ("target", "ncols", "base", "row_stride", "col_stride", "row_lo", "row_hi", "col_lo", "col_hi",
@@ -54,13 +55,21 @@ def _checksum_kernel(bits_ptr, partial_P_ptr, n: tl.int64, offset: tl.int64, MAS
     ptr = bits_ptr + base
     if MASK <= 0xFFFF:
         # weight of element (t, j) = (offset + base + 1) + t * BLOCK + j
-        acc_u = tl.zeros([BLOCK], dtype=tl.int32)
-        acc_tu = tl.zeros([BLOCK], dtype=tl.int32)
-        for t in range(TILES):
-            offs = t * BLOCK + lane
-            u = tl.load(ptr + offs, mask=offs < left, other=0).to(tl.int32) & MASK
-            acc_u += u
-            acc_tu += t * u
+        if left >= BLOCK * TILES:
+            # a full program: one unmasked [TILES, BLOCK] load (vector loads; a mask on the unspecialised
+            # size would force one load per element)
+            tile = tl.arange(0, TILES)
+            u = tl.load(ptr + tile[:, None] * BLOCK + lane[None, :]).to(tl.int32) & MASK
+            acc_u = tl.sum(u, axis=0)
+            acc_tu = tl.sum(tile[:, None] * u, axis=0)
+        else:
+            acc_u = tl.zeros([BLOCK], dtype=tl.int32)
+            acc_tu = tl.zeros([BLOCK], dtype=tl.int32)
+            for t in range(TILES):
+                offs = t * BLOCK + lane
+                u = tl.load(ptr + offs, mask=offs < left, other=0).to(tl.int32) & MASK
+                acc_u += u
+                acc_tu += t * u
         acc_u64 = acc_u.to(tl.int64)
         total = (offset + base + 1) * tl.sum(acc_u64, axis=0) + BLOCK * tl.sum(acc_tu.to(tl.int64), axis=0) \
             + tl.sum(lane.to(tl.int64) * acc_u64, axis=0)
@@ -96,10 +105,14 @@ def _diff_compact_kernel(old_ptr, new_ptr, n: tl.int64, offset: tl.int64, scratc
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * BLOCK
     lane = tl.arange(0, BLOCK)
-    valid = lane < n - base
-    old = tl.load(old_ptr + base + lane, mask=valid, other=0)
-    new = tl.load(new_ptr + base + lane, mask=valid, other=0)
-    changed = (old != new) & valid
+    if n - base >= BLOCK:  # a full block: unmasked (vector) loads
+        old = tl.load(old_ptr + base + lane)
+        new = tl.load(new_ptr + base + lane)
+    else:
+        valid = lane < n - base
+        old = tl.load(old_ptr + base + lane, mask=valid, other=0)
+        new = tl.load(new_ptr + base + lane, mask=valid, other=0)
+    changed = old != new  # padding lanes load 0 on both sides
     changed_i = changed.to(tl.int32)
     rank = tl.cumsum(changed_i, axis=0) - changed_i
     count = tl.sum(changed_i, axis=0)
@@ -175,7 +188,7 @@ def diff_extract_launch(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offs
 
 
 @triton.jit
-def _patch(address, pos, held, val_C_ptr, j, idx, WIDTH: tl.constexpr, ADD: tl.constexpr):
+def _patch(address, pos, held, val, idx, WIDTH: tl.constexpr, ADD: tl.constexpr):
     # write one block of changes in place; return each change's running-checksum contribution
     if WIDTH == 8:
         ptr = address.to(tl.pointer_type(tl.uint8)) + pos
@@ -184,7 +197,6 @@ def _patch(address, pos, held, val_C_ptr, j, idx, WIDTH: tl.constexpr, ADD: tl.c
     else:
         ptr = address.to(tl.pointer_type(tl.int32)) + pos
     old = tl.load(ptr, mask=held, other=0)
-    val = tl.load(val_C_ptr + j, mask=held, other=0)
     mask_bits = (1 << WIDTH) - 1
     u_old = old.to(tl.int64) & mask_bits
     if ADD:
@@ -217,7 +229,12 @@ def _apply_deltas_kernel(idx_C_ptr, val_C_ptr, n_changes: tl.int64, entry_offset
     j0 = pid.to(tl.int64) * BLOCK
     j = j0 + tl.arange(0, BLOCK)
     live = j < n_changes
-    idx = tl.load(idx_C_ptr + j, mask=live, other=0).to(tl.int64)
+    if j0 + BLOCK <= n_changes:  # a full block: unmasked (vector) loads of indices and values
+        idx = tl.load(idx_C_ptr + j).to(tl.int64)
+        val = tl.load(val_C_ptr + j)
+    else:
+        idx = tl.load(idx_C_ptr + j, mask=live, other=0).to(tl.int64)
+        val = tl.load(val_C_ptr + j, mask=live, other=0)
     if j0 < n_changes:  # a launch with no changes (the compile at plan build) touches nothing
         first = _find_entry(entry_offsets_ptr, j0, n_entries, search_steps)
         last = _find_entry(entry_offsets_ptr, tl.minimum(j0 + BLOCK, n_changes) - 1, n_entries, search_steps)
@@ -231,7 +248,7 @@ def _apply_deltas_kernel(idx_C_ptr, val_C_ptr, n_changes: tl.int64, entry_offset
             one_base = tl.load(layout_ptr + row0 + 2)
             one_held = live & (idx >= tl.load(layout_ptr + row0 + 5) * ncols0) & (idx < tl.load(layout_ptr + row0 + 6) * ncols0)
             one_address = tl.load(address_ptr + tl.load(layout_ptr + row0 + 0))
-            one_contribution = _patch(one_address, one_base + idx, one_held, val_C_ptr, j, idx, WIDTH, ADD)
+            one_contribution = _patch(one_address, one_base + idx, one_held, val, idx, WIDTH, ADD)
             tl.atomic_add(checksum_E_ptr + first, tl.sum(one_contribution, axis=0))
             tl.atomic_add(written_E_ptr + first, tl.sum(one_held.to(tl.int64), axis=0))
         else:
@@ -262,7 +279,7 @@ def _apply_deltas_kernel(idx_C_ptr, val_C_ptr, n_changes: tl.int64, entry_offset
             pos = tl.where(tabled, base + row_off + col_off, base + r * row_stride + c * col_stride)
             held = live & (width == WIDTH) & tl.where(tabled, held_tabled, held_strided)
             address = tl.load(address_ptr + target, mask=held, other=0)
-            contribution = _patch(address, pos, held, val_C_ptr, j, idx, WIDTH, ADD)
+            contribution = _patch(address, pos, held, val, idx, WIDTH, ADD)
             written = held.to(tl.int64)
             # per-entry reduction: one atomic for the block's first entry, one per change for any other entry
             in_first = live & (entry == first)
@@ -283,7 +300,7 @@ def apply_deltas_launch(idx_C: torch.Tensor, val_C: torch.Tensor, entry_offsets_
     programs = max(1, triton.cdiv(n_changes, APPLY_BLOCK))
     _apply_deltas_kernel[(programs,)](idx_C, val_C, n_changes, entry_offsets_E1, entry_tensor_E, n_entries, steps,
                                       layout, tables, addresses, checksum_E, written_E, WIDTH=width, ADD=add,
-                                      COLUMNS=LAYOUT_COLUMNS, BLOCK=APPLY_BLOCK, num_warps=4)
+                                      COLUMNS=LAYOUT_COLUMNS, BLOCK=APPLY_BLOCK, num_warps=APPLY_WARPS)
 
 
 # ---------------------------------------------------------------------------------- positional apply
