@@ -186,46 +186,50 @@ class Prepared:
     range_scale: float
     modelled: set[str]
     seen: set[tuple[str, str, str]] = field(default_factory=set)  # (device class, setting, repr(value)) some case ran
+    prior_theory: TheoryModel = field(default_factory=TheoryModel)  # the model before the fit: its priors
     _theory_memo: dict | None = None
-    _prior_theory: TheoryModel | None = None
 
     def has_seen(self, device: str, name: str, value: Any) -> bool:
         """Whether some case of this device class ran ``name`` at ``value``, so the fit saw its term there."""
         return (device_class(device), name, repr(value)) in self.seen
 
-    def theory_stages(self, setup: Setup) -> dict[str, float]:
-        """Theory seconds per stage of one setup, memoised (anchor search asks for the same ones often)."""
+    def theory_stages(self, setup: Setup, *, prior: bool = False) -> dict[str, float]:
+        """Theory seconds per stage of one setup, memoised (anchor search asks for the same ones often).
+
+        ``prior``: with the coefficients before the fit (:attr:`prior_theory`).
+        """
+        memo = self._memo(prior)
+        key = setup.key()
+        if key not in memo:
+            memo[key] = (self.prior_theory if prior else self.theory).stages(setup)
+        return memo[key]
+
+    def _memo(self, prior: bool) -> dict:
         if self._theory_memo is None:
             self._theory_memo = {}
-        key = setup.key()
-        if key not in self._theory_memo:
-            self._theory_memo[key] = self.theory.stages(setup)
-        return self._theory_memo[key]
+        return self._theory_memo.setdefault(prior, {})
 
     def remember_theory(self, setups: Sequence[Setup]) -> None:
-        """Compute the theory of many setups in one vectorised pass (the targets of a candidate list)."""
-        if self._theory_memo is None:
-            self._theory_memo = {}
-        todo = {}
-        for setup in setups:
-            key = setup.key()
-            if key not in self._theory_memo:
-                todo[key] = setup
-        if todo:
-            many = self.theory.stages_many(list(todo.values()))
-            for i, key in enumerate(todo):
-                self._theory_memo[key] = {stage: float(values[i]) for stage, values in many.items()}
+        """Compute the theory of many setups in one vectorised pass (the targets of a candidate list), fitted and prior."""
+        for prior in (False, True):
+            memo = self._memo(prior)
+            todo = {}
+            for setup in setups:
+                key = setup.key()
+                if key not in memo:
+                    todo[key] = setup
+            if todo:
+                many = (self.prior_theory if prior else self.theory).stages_many(list(todo.values()))
+                for i, key in enumerate(todo):
+                    memo[key] = {stage: float(values[i]) for stage, values in many.items()}
 
-    def theory_ratio(self, target: Setup, case: Setup) -> dict[str, float]:
-        t, c = self.theory_stages(target), self.theory_stages(case)
+    def theory_ratio(self, target: Setup, case: Setup, *, prior: bool = False) -> dict[str, float]:
+        t, c = self.theory_stages(target, prior=prior), self.theory_stages(case, prior=prior)
         return {s: t[s] / c[s] if c[s] > 0 else 1.0 for s in STAGES}
 
     def prior_ratio(self, target: Setup, case: Setup) -> dict[str, float]:
-        """theory(target) / theory(case) with the prior coefficients, for a value no case ran (see :func:`_adjust`)."""
-        if self._prior_theory is None:
-            self._prior_theory = TheoryModel()
-        both = self._prior_theory.stages_many([target, case])
-        return {s: float(v[0] / v[1]) if v[1] > 0 else 1.0 for s, v in both.items()}
+        """theory(target) / theory(case) with the coefficients before the fit, for a value no case ran (see :func:`_adjust`)."""
+        return self.theory_ratio(target, case, prior=True)
 
 
 def prepare(cases: Sequence[CaseRecord], theory: TheoryModel | None = None, *, fit: bool = True,
@@ -249,6 +253,7 @@ def prepare(cases: Sequence[CaseRecord], theory: TheoryModel | None = None, *, f
         case_theory=model.stages_many(setups) if setups else {s: np.zeros(0) for s in STAGES},
         matrix=_SettingMatrix(setups), range_scale=range_calibration(ok), modelled=modelled_settings(),
         seen={(device_class(s.device), name, repr(value)) for s in setups for name, value in s.settings().items()},
+        prior_theory=theory or TheoryModel(),
     )
 
 
