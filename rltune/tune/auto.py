@@ -78,6 +78,19 @@ def _load_run(run_dirs: list[Path], run_id: str, knobs: dict[str, KnobValue], st
     return _Baseline(run_id, [Path(d) for d in run_dirs], dict(knobs), step_s, rows, diagnosis)
 
 
+def holds_a_failed_set(baseline_knobs: dict, overrides: dict, failed: list[set]) -> bool:
+    """True if the setup holds every value of some crashed run's set (see ``AutoLoop._failed_settings``)."""
+    setup = set({**baseline_knobs, **overrides}.items())
+    return any(f <= setup for f in failed)
+
+
+def crash_aware_order(forecasts: list, baseline_knobs: dict, failed: list[set]) -> list:
+    """Forecasts fastest first, except that setups sharing fewer values with crashed runs go first:
+    after a crash of a setup that changed several knobs, the culprit is one of them."""
+    suspect = set().union(*failed) if failed else set()
+    return sorted(forecasts, key=lambda f: (len(suspect & set({**baseline_knobs, **f.overrides}.items())), f.step_s))
+
+
 class AutoLoop:
     """The state of one ``auto`` run, rebuilt from its journal; :meth:`run` goes on from there."""
 
@@ -231,9 +244,8 @@ class AutoLoop:
             candidates = propose(baseline.diagnosis, self.job, knowledge, knobs=baseline.knobs, job_path=str(self.job_path),
                                  round_tag=f"r{round_no}", tried=tried, allow_needs=self.allow_needs,
                                  baseline_dir=str(baseline.run_dirs[0]), untuned_dir=str(untuned.run_dirs[0]))
-            banned = self._failed_settings()
-            candidates.candidates = [c for c in candidates.candidates
-                                     if not banned & set({**baseline.knobs, **c.overrides}.items())]
+            failed = self._failed_settings()
+            candidates.candidates = [c for c in candidates.candidates if not holds_a_failed_set(baseline.knobs, c.overrides, failed)]
             save_candidates(candidates, round_dir / "candidates.yaml")
             if not candidates.candidates:
                 self._emit("round_end", round=round_no, outcome="no_candidates", unfixed=candidates.unfixed)
@@ -241,7 +253,7 @@ class AutoLoop:
             forecast = forecast_candidates(self.job, candidates, library, baseline_knobs=baseline.knobs)
             forecast_path = round_dir / f"forecast-a{attempt}.yaml"
             save_forecast(forecast, forecast_path)
-            ranked = sorted(forecast.forecasts, key=lambda f: f.step_s)
+            ranked = crash_aware_order(forecast.forecasts, baseline.knobs, failed)
             by_id = {c.id: c for c in candidates.candidates}
             self._emit("proposed", round=round_no, attempt=attempt, baseline_run=baseline.run_id,
                        baseline_step_s=baseline.step_s, limiting_stage=candidates.limiting_stage,
@@ -277,17 +289,18 @@ class AutoLoop:
         self._emit("round_end", round=round_no, outcome="none_kept")
         return "none_kept", baseline, round_trials
 
-    def _failed_settings(self) -> set[tuple[str, Any]]:
-        """Knob values seen only in runs that crashed or hung: setups holding one are not tried again.
+    def _failed_settings(self) -> list[set[tuple[str, Any]]]:
+        """Per run that crashed or hung, the knob values it tried that never ran fine anywhere.
 
-        A failed setup that changed several knobs bans all its new values (the culprit is unknown);
-        a value that also ran fine elsewhere is never banned.
+        A setup holding all the values of one such set is not tried again. A set of one value bans
+        that value; a set of several bans only their combination, since the culprit is unknown,
+        and setups sharing fewer of them are tried first (see ``_round``).
         """
         events = self.journal.events()
         ran_fine = {item for e in events if e["event"] in ("baseline", "trial") and e.get("decision", "ok") != "failed"
                     for item in e["knobs"].items()}
-        return {item for e in events if e["event"] == "trial" and e["decision"] == "failed"
-                for item in e["knobs"].items()} - ran_fine
+        failed = [set(e["knobs"].items()) - ran_fine for e in events if e["event"] == "trial" and e["decision"] == "failed"]
+        return [f for f in failed if f]
 
     @staticmethod
     def _trial_fields(start: Event, verdict: Any) -> dict[str, Any]:
