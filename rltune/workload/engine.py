@@ -98,6 +98,7 @@ class Engine:
         self.pad = TOKENIZER.pad_id
         self.generator = torch.Generator(device=self.device).manual_seed(settings.sample_seed + 7919 * index)
         self.version = 0
+        self.warm_up_s = 0.0
         self.cancelled: set[int] = set()
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
@@ -107,6 +108,36 @@ class Engine:
         self.positions = None  # [B] next position id of each row
         self.last_tokens = None  # [B] token to feed next
         self._reset_counters()
+
+    def warm_up(self, prompt_len: int = 8, decode_steps: int = 3) -> None:
+        """Compile the prefill and decode graphs before the engine reports ready.
+
+        A compiled engine otherwise compiles inside its first requests, where the compile time
+        counts against their time-out and the step's rollout time (serving engines compile and
+        capture at start for the same reason). Batches of 2 and 1 are traced so that later batch
+        sizes reuse the dynamic-shape graph instead of specialising on 1.
+        """
+        torch = self.torch
+        from transformers.cache_utils import DynamicCache
+
+        start = time.perf_counter()
+        for batch in (2, 1):
+            ids = torch.full((batch, prompt_len), self.eos, dtype=torch.long, device=self.device)
+            mask = torch.ones_like(ids)
+            positions = mask.cumsum(-1) - 1
+            with torch.inference_mode():
+                out = self.forward(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+                for step in range(decode_steps):
+                    made = _output_cache(out)
+                    cache = DynamicCache(ddp_cache_data=[(layer.keys, layer.values) for layer in made.layers],
+                                         config=self.model.config)
+                    mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                    out = self.forward(input_ids=ids[:, -1:], attention_mask=mask,
+                                       position_ids=positions[:, -1:] + step + 1, use_cache=True,
+                                       **{self.cache_kw: cache})
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.warm_up_s = time.perf_counter() - start
 
     # -- counters -------------------------------------------------------------------------------
     def _reset_counters(self) -> None:
@@ -120,7 +151,10 @@ class Engine:
 
     # -- main loop -------------------------------------------------------------------------------
     def serve(self, in_queue) -> None:
-        self.out.put(("ready", self.index, {"params": sum(p.numel() for p in self.model.parameters())}))
+        if self.s.compile:
+            self.warm_up()
+        self.out.put(("ready", self.index, {"params": sum(p.numel() for p in self.model.parameters()),
+                                            "warm_up_s": self.warm_up_s}))
         while True:
             idle = not self.running and not self.waiting
             messages = []

@@ -190,3 +190,14 @@ def test_grad_checkpointing_and_micro_batch_size_do_not_change_the_update():
 
 def test_default_config_object_builds():
     assert WorkloadConfig().batch_size == 32
+
+
+def test_warm_up_runs_prefill_and_decode_and_changes_nothing_a_request_sees():
+    warmed, out_w = make_engine()
+    warmed.warm_up()
+    plain, out_p = make_engine()
+    got, _ = drive(warmed, out_w, PROMPTS[:3])
+    want, _ = drive(plain, out_p, PROMPTS[:3])
+    assert warmed.warm_up_s > 0 and plain.warm_up_s == 0.0
+    assert {k: v["tokens"] for k, v in got.items()} == {k: v["tokens"] for k, v in want.items()}
+    assert warmed.counters["gen_tokens"] == plain.counters["gen_tokens"] > 0
