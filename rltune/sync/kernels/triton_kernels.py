@@ -55,16 +55,15 @@ def _checksum_kernel(bits_ptr, partial_P_ptr, n: tl.int64, offset: tl.int64, MAS
     ptr = bits_ptr + base
     if MASK <= 0xFFFF:
         # weight of element (t, j) = (offset + base + 1) + t * BLOCK + j
+        acc_u = tl.zeros([BLOCK], dtype=tl.int32)
+        acc_tu = tl.zeros([BLOCK], dtype=tl.int32)
         if left >= BLOCK * TILES:
-            # a full program: one unmasked [TILES, BLOCK] load (vector loads; a mask on the unspecialised
-            # size would force one load per element)
-            tile = tl.arange(0, TILES)
-            u = tl.load(ptr + tile[:, None] * BLOCK + lane[None, :]).to(tl.int32) & MASK
-            acc_u = tl.sum(u, axis=0)
-            acc_tu = tl.sum(tile[:, None] * u, axis=0)
+            # a full program: unmasked loads (vectorised; a mask on the unspecialised size is not)
+            for t in tl.static_range(TILES):
+                u = tl.load(ptr + t * BLOCK + lane).to(tl.int32) & MASK
+                acc_u += u
+                acc_tu += t * u
         else:
-            acc_u = tl.zeros([BLOCK], dtype=tl.int32)
-            acc_tu = tl.zeros([BLOCK], dtype=tl.int32)
             for t in range(TILES):
                 offs = t * BLOCK + lane
                 u = tl.load(ptr + offs, mask=offs < left, other=0).to(tl.int32) & MASK
