@@ -104,9 +104,13 @@ def bench_apply(dev, timer, total, tensors, fractions) -> list[dict]:
         trainer = [K.checksum(p) for p in params]
         running = torch.tensor([c - (1 << 64) if c >= 1 << 63 else c for c in trainer], device=dev)
 
-        def apply_verify(idx=idx, val32=val32, offsets=offsets, running=running, trainer=trainer):
+        # what the engine compares: the running checksums it moves against the trainer's, on the device,
+        # with one host sync for the verdict
+        expected = torch.tensor([c - (1 << 64) if c >= 1 << 63 else c for c in trainer], device=dev)
+
+        def apply_verify(idx=idx, val32=val32, offsets=offsets, running=running, expected=expected):
             moved = running + plan.apply(entry_tensor, offsets, idx, val32, add=False).checksum_E
-            if [v & MASK64 for v in moved.tolist()] != trainer:
+            if not bool(torch.equal(moved, expected)):
                 raise RuntimeError("running checksums after apply differ from the trainer's")
 
         fused_verify = timer(apply_verify)
@@ -140,12 +144,7 @@ def bench_diff(dev, timer, total, chunk, fractions) -> list[dict]:
         row = dict(fraction=fraction, elements=total, chunk=chunk, nonzero=with_rate(baseline, total * 4))
         if dev.type == "cuda":
             n = min(chunk, total)
-            programs = tk.diff_programs(n)
-            scratch = (torch.empty(programs * tk.DIFF_BLOCK, dtype=torch.int32, device=dev),
-                       torch.empty(programs * tk.DIFF_BLOCK, dtype=torch.int16, device=dev),
-                       torch.empty(programs * tk.DIFF_BLOCK, dtype=torch.int16, device=dev),
-                       torch.empty(programs, dtype=torch.int32, device=dev),
-                       torch.empty(programs, dtype=torch.int64, device=dev))
+            scratch = tk.diff_scratch(n, dev)
             cap = int(total * fraction * 1.2) + 1024
             outs = (torch.empty(cap, dtype=torch.int64, device=dev), torch.empty(cap, dtype=torch.int32, device=dev),
                     torch.empty(cap, dtype=torch.int32, device=dev))
@@ -220,7 +219,7 @@ def bench_step(dev, timer, total, tensors, chunk) -> dict:
 
 CHECKSUM_CONFIGS = ((512, 16, 4), (1024, 8, 4), (1024, 4, 4), (2048, 4, 8), (1024, 16, 8), (2048, 8, 8),
                     (512, 32, 4), (4096, 4, 8))
-DIFF_CONFIGS = ((1024, 4), (512, 4), (2048, 4), (2048, 8), (4096, 8))
+DIFF_CONFIGS = ((2048, 4, 256), (2048, 4, 64), (1024, 4, 64), (4096, 4, 64), (4096, 8, 128), (8192, 8, 128))
 APPLY_CONFIGS = ((1024, 4), (512, 4), (1024, 8), (2048, 8), (4096, 8), (256, 2))
 
 
@@ -244,14 +243,10 @@ def bench_tune(dev, timer, total, tensors) -> dict:
     outs = (torch.empty(cap, dtype=torch.int64, device=dev), torch.empty(cap, dtype=torch.int32, device=dev),
             torch.empty(cap, dtype=torch.int32, device=dev))
     starts = torch.zeros(-(-total // chunk) + 1, dtype=torch.int64, device=dev)
-    for block, warps in DIFF_CONFIGS:
-        tk.DIFF_BLOCK, tk.DIFF_WARPS = block, warps
+    for block, warps, copy in DIFF_CONFIGS:
+        tk.DIFF_BLOCK, tk.DIFF_WARPS, tk.DIFF_COPY = block, warps, copy
         programs = tk.diff_programs(chunk)
-        scratch = (torch.empty(programs * block, dtype=torch.int32, device=dev),
-                   torch.empty(programs * block, dtype=torch.int16, device=dev),
-                   torch.empty(programs * block, dtype=torch.int16, device=dev),
-                   torch.empty(programs, dtype=torch.int32, device=dev),
-                   torch.empty(programs, dtype=torch.int64, device=dev))
+        scratch = tk.diff_scratch(chunk, dev)
 
         def both(scratch=scratch):
             for k, a in enumerate(range(0, total, chunk)):
@@ -259,10 +254,10 @@ def bench_tune(dev, timer, total, tensors) -> dict:
 
         def compact_only(scratch=scratch, programs=programs):
             for a in range(0, total, chunk):
-                tk._diff_compact_kernel[(programs,)](bits[a:a + chunk], new[a:a + chunk], chunk, a, *scratch,
-                                                    MASK=0xFFFF, BLOCK=tk.DIFF_BLOCK, num_warps=tk.DIFF_WARPS)
+                tk._diff_compact_kernel[(programs,)](bits[a:a + chunk], new[a:a + chunk], chunk, scratch[0], scratch[1],
+                                                    BLOCK=tk.DIFF_BLOCK, num_warps=tk.DIFF_WARPS)
 
-        out["diff"][f"{block}w{warps}"] = dict(both_ms=timer(both)["median_ms"],
+        out["diff"][f"{block}w{warps}c{copy}"] = dict(both_ms=timer(both)["median_ms"],
                                                compact_only_ms=timer(compact_only)["median_ms"])
     per = total // tensors
     params = list(bits.view(tensors, per).unbind(0))
@@ -287,10 +282,10 @@ def set_launch_config(best: dict) -> dict:
     if "checksum" in best:
         tk.CHECKSUM_BLOCK, tk.CHECKSUM_TILES, tk.CHECKSUM_WARPS = map(int, re.findall(r"\d+", best["checksum"]))
     if "diff" in best:
-        tk.DIFF_BLOCK, tk.DIFF_WARPS = map(int, re.findall(r"\d+", best["diff"]))
+        tk.DIFF_BLOCK, tk.DIFF_WARPS, tk.DIFF_COPY = map(int, re.findall(r"\d+", best["diff"]))
     if "apply" in best:
         tk.APPLY_BLOCK, tk.APPLY_WARPS = map(int, re.findall(r"\d+", best["apply"]))
-    return dict(checksum=[tk.CHECKSUM_BLOCK, tk.CHECKSUM_TILES, tk.CHECKSUM_WARPS], diff=[tk.DIFF_BLOCK, tk.DIFF_WARPS],
+    return dict(checksum=[tk.CHECKSUM_BLOCK, tk.CHECKSUM_TILES, tk.CHECKSUM_WARPS], diff=[tk.DIFF_BLOCK, tk.DIFF_WARPS, tk.DIFF_COPY],
                 apply=[tk.APPLY_BLOCK, tk.APPLY_WARPS])
 
 

@@ -178,15 +178,7 @@ class ChangeSink:
 
     def _scratch_for(self, dtype: torch.dtype) -> tuple:
         if dtype not in self._scratch:
-            tk = _triton()
-            n = self.max_chunk_elements
-            programs = tk.diff_programs(n)
-            padded = programs * tk.DIFF_BLOCK
-            self._scratch[dtype] = (torch.empty(padded, dtype=torch.int32, device=self.device),
-                                    torch.empty(padded, dtype=dtype, device=self.device),
-                                    torch.empty(padded, dtype=dtype, device=self.device),
-                                    torch.empty(programs, dtype=torch.int32, device=self.device),
-                                    torch.empty(programs, dtype=torch.int64, device=self.device))
+            self._scratch[dtype] = _triton().diff_scratch(self.max_chunk_elements, self.device)
         return self._scratch[dtype]
 
     def append(self, old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int, key: Any) -> None:
@@ -255,11 +247,7 @@ def diff_extract(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int
     n = old_bits_N.numel()
     dev = old_bits_N.device
     tk = _triton()
-    programs = tk.diff_programs(n)
-    padded = programs * tk.DIFF_BLOCK
-    scratch = (torch.empty(padded, dtype=torch.int32, device=dev), torch.empty(padded, dtype=old_bits_N.dtype, device=dev),
-               torch.empty(padded, dtype=old_bits_N.dtype, device=dev), torch.empty(programs, dtype=torch.int32, device=dev),
-               torch.empty(programs, dtype=torch.int64, device=dev))
+    scratch = tk.diff_scratch(n, dev)
     out = (torch.empty(n, dtype=torch.int64, device=dev), torch.empty(n, dtype=torch.int32, device=dev),
            torch.empty(n, dtype=torch.int32, device=dev))
     start = torch.zeros(2, dtype=torch.int64, device=dev)

@@ -22,17 +22,18 @@ import torch
 import triton
 import triton.language as tl
 
+# Launch settings: the fastest of bench/sync_kernels.py's sweep (section 'tune') on the H200.
 # Elements per checksum program: BLOCK lanes x TILES tiles. With 16-bit elements the per-lane
 # accumulators sum_t u (<= TILES * 2^16) and sum_t t * u (<= 2^16 * TILES^2 / 2) stay below 2^31
 # for TILES <= 128, so the inner loop is int32 only.
-CHECKSUM_BLOCK = 512
-CHECKSUM_TILES = 16
-CHECKSUM_WARPS = 4
+CHECKSUM_BLOCK = 2048
+CHECKSUM_TILES = 8
+CHECKSUM_WARPS = 8
 
-DIFF_BLOCK = 1024
+DIFF_BLOCK = 2048
 DIFF_WARPS = 4
-DIFF_COPY = 256
-APPLY_BLOCK = 1024
+DIFF_COPY = 64
+APPLY_BLOCK = 512
 APPLY_WARPS = 4
 
 # Columns of the per-checkpoint-tensor layout table used by the fused apply kernel.
@@ -96,11 +97,11 @@ def checksum_partials(bits_N: torch.Tensor, offset: int, mask: int) -> torch.Ten
 # ------------------------------------------------------------------------------------- diff/extract
 
 
-@triton.jit(do_not_specialize=["n", "offset"])
-def _diff_compact_kernel(old_ptr, new_ptr, n: tl.int64, offset: tl.int64, scratch_idx_ptr, scratch_new_ptr,
-                         scratch_old_ptr, count_P_ptr, checksum_P_ptr, MASK: tl.constexpr, BLOCK: tl.constexpr):
-    # Pass 1: each program compacts its block's changes, in index order, into its own scratch region
-    # [pid * BLOCK, pid * BLOCK + count), and writes its count and checksum change.
+@triton.jit(do_not_specialize=["n"])
+def _diff_compact_kernel(old_ptr, new_ptr, n: tl.int64, scratch_idx_ptr, count_P_ptr, BLOCK: tl.constexpr):
+    # Pass 1 (dense, reads every element once): each program compacts the positions of its block's
+    # changes, in index order, into its own scratch region [pid * BLOCK, pid * BLOCK + count) and
+    # writes its count. Nothing else is computed per element: values and checksums are pass 2's.
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * BLOCK
     lane = tl.arange(0, BLOCK)
@@ -114,29 +115,19 @@ def _diff_compact_kernel(old_ptr, new_ptr, n: tl.int64, offset: tl.int64, scratc
     changed = old != new  # padding lanes load 0 on both sides
     changed_i = changed.to(tl.int32)
     rank = tl.cumsum(changed_i, axis=0) - changed_i
-    count = tl.sum(changed_i, axis=0)
-    dst = base + rank
-    tl.store(scratch_idx_ptr + dst, (base + lane).to(tl.int32), mask=changed)
-    tl.store(scratch_new_ptr + dst, new, mask=changed)
-    tl.store(scratch_old_ptr + dst, old, mask=changed)
-    tl.store(count_P_ptr + pid, count)
-    # sum (offset + base + lane + 1) * d = (offset + base + 1) * sum d + sum lane * d; d = 0 where unchanged
-    if MASK <= 0xFFFF:
-        d = (new.to(tl.int32) & MASK) - (old.to(tl.int32) & MASK)
-        total = (offset + base + 1) * tl.sum(d.to(tl.int64), axis=0) + tl.sum((lane * d).to(tl.int64), axis=0)
-    else:
-        d = (new.to(tl.int64) & MASK) - (old.to(tl.int64) & MASK)
-        total = tl.sum((offset + base + 1 + lane) * d, axis=0)
-    tl.store(checksum_P_ptr + pid, total)
+    tl.store(scratch_idx_ptr + base + rank, base.to(tl.int32) + lane, mask=changed)
+    tl.store(count_P_ptr + pid, tl.sum(changed_i, axis=0))
 
 
 @triton.jit(do_not_specialize=["offset", "chunk", "capacity", "programs"])
-def _diff_gather_kernel(scratch_idx_ptr, scratch_new_ptr, scratch_old_ptr, count_P_ptr, inclusive_P_ptr,
-                        chunk_start_ptr, chunk: tl.int64, offset: tl.int64, out_idx_ptr, out_new_ptr, out_old_ptr,
+def _diff_gather_kernel(old_ptr, new_ptr, scratch_idx_ptr, count_P_ptr, inclusive_P_ptr, chunk_start_ptr,
+                        chunk: tl.int64, offset: tl.int64, out_idx_ptr, out_new_ptr, out_old_ptr, checksum_P_ptr,
                         capacity: tl.int64, programs: tl.int64, MASK: tl.constexpr, BLOCK: tl.constexpr,
                         COPY: tl.constexpr):
-    # Pass 2: move each program's compacted changes to out[start + exclusive prefix, ...), where start
-    # is where this chunk begins in the output (written by the previous chunk's pass 2, on device).
+    # Pass 2 (sparse, touches changes only): read each change's old and new bits at its position,
+    # write (index, new, old) to out[start + exclusive prefix, ...) and the program's checksum change
+    # sum (offset + i + 1) * (new - old). ``start`` is where this chunk begins in the output (written
+    # by the previous chunk's pass 2, on device).
     pid = tl.program_id(0)
     count = tl.load(count_P_ptr + pid)
     inclusive = tl.load(inclusive_P_ptr + pid)
@@ -144,20 +135,20 @@ def _diff_gather_kernel(scratch_idx_ptr, scratch_new_ptr, scratch_old_ptr, count
     dst0 = start + inclusive - count
     src0 = pid.to(tl.int64) * BLOCK
     copy_lane = tl.arange(0, COPY)
+    total = tl.zeros([COPY], dtype=tl.int64)
     for k in range(0, count, COPY):
         j = k + copy_lane
         inside = j < count
         dst = dst0 + j
         fits = inside & (dst < capacity)
-        local = tl.load(scratch_idx_ptr + src0 + j, mask=inside, other=0)
-        new = tl.load(scratch_new_ptr + src0 + j, mask=inside, other=0)
-        old = tl.load(scratch_old_ptr + src0 + j, mask=inside, other=0)
-        tl.store(out_idx_ptr + dst, local.to(tl.int64) + offset, mask=fits)
-        if MASK <= 0xFFFF:
-            new = new.to(tl.int32) & MASK
-            old = old.to(tl.int32) & MASK
+        local = tl.load(scratch_idx_ptr + src0 + j, mask=inside, other=0).to(tl.int64)
+        new = tl.load(new_ptr + local, mask=inside, other=0).to(tl.int64) & MASK
+        old = tl.load(old_ptr + local, mask=inside, other=0).to(tl.int64) & MASK
+        tl.store(out_idx_ptr + dst, local + offset, mask=fits)
         tl.store(out_new_ptr + dst, new.to(tl.int32), mask=fits)
         tl.store(out_old_ptr + dst, old.to(tl.int32), mask=fits)
+        total += tl.where(inside, (offset + local + 1) * (new - old), 0)
+    tl.store(checksum_P_ptr + pid, tl.sum(total, axis=0))
     if pid == programs - 1:
         tl.store(chunk_start_ptr + chunk + 1, start + inclusive)
 
@@ -166,20 +157,28 @@ def diff_programs(n: int) -> int:
     return max(1, triton.cdiv(n, DIFF_BLOCK))
 
 
+def diff_scratch(n: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Device scratch of a diff over chunks of up to ``n`` elements: positions, per-program counts and checksums."""
+    programs = diff_programs(n)
+    return (torch.empty(programs * DIFF_BLOCK, dtype=torch.int32, device=device),
+            torch.empty(programs, dtype=torch.int32, device=device),
+            torch.empty(programs, dtype=torch.int64, device=device))
+
+
 def diff_extract_launch(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int, mask: int,
-                        scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                        scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                         chunk_start: torch.Tensor, chunk: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                         capacity: int) -> torch.Tensor:
     """Both passes; writes ``chunk_start[chunk + 1]`` on device; returns the per-program checksum partials."""
     n = old_bits_N.numel()
     programs = diff_programs(n)
-    s_idx, s_new, s_old, count_P, checksum_P = scratch
-    _diff_compact_kernel[(programs,)](old_bits_N, new_bits_N, n, offset, s_idx, s_new, s_old, count_P, checksum_P,
-                                      MASK=mask, BLOCK=DIFF_BLOCK, num_warps=DIFF_WARPS)
+    s_idx, count_P, checksum_P = scratch
+    _diff_compact_kernel[(programs,)](old_bits_N, new_bits_N, n, s_idx, count_P, BLOCK=DIFF_BLOCK,
+                                      num_warps=DIFF_WARPS)
     inclusive_P = torch.cumsum(count_P[:programs], dim=0, dtype=torch.int64)
-    _diff_gather_kernel[(programs,)](s_idx, s_new, s_old, count_P, inclusive_P, chunk_start, chunk, offset,
-                                     out[0], out[1], out[2], capacity, programs, MASK=mask, BLOCK=DIFF_BLOCK,
-                                     COPY=DIFF_COPY, num_warps=4)
+    _diff_gather_kernel[(programs,)](old_bits_N, new_bits_N, s_idx, count_P, inclusive_P, chunk_start, chunk, offset,
+                                     out[0], out[1], out[2], checksum_P, capacity, programs, MASK=mask,
+                                     BLOCK=DIFF_BLOCK, COPY=DIFF_COPY, num_warps=max(1, min(4, DIFF_COPY // 64)))
     return checksum_P[:programs]
 
 
