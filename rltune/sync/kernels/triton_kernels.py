@@ -26,9 +26,9 @@ import triton.language as tl
 # Elements per checksum program: BLOCK lanes x TILES tiles. With 16-bit elements the per-lane
 # accumulators sum_t u (<= TILES * 2^16) and sum_t t * u (<= 2^16 * TILES^2 / 2) stay below 2^31
 # for TILES <= 128, so the inner loop is int32 only.
-CHECKSUM_BLOCK = 2048
-CHECKSUM_TILES = 8
-CHECKSUM_WARPS = 8
+CHECKSUM_BLOCK = 512
+CHECKSUM_TILES = 32
+CHECKSUM_WARPS = 4
 
 DIFF_BLOCK = 2048
 DIFF_WARPS = 4
