@@ -99,6 +99,7 @@ class Engine:
         self.generator = torch.Generator(device=self.device).manual_seed(settings.sample_seed + 7919 * index)
         self.version = 0
         self.warm_up_s = 0.0
+        self.parent_pid = os.getppid()  # the orchestrator; if it dies, this engine stops instead of serving on
         self.cancelled: set[int] = set()
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
@@ -156,6 +157,8 @@ class Engine:
         self.out.put(("ready", self.index, {"params": sum(p.numel() for p in self.model.parameters()),
                                             "warm_up_s": self.warm_up_s}))
         while True:
+            if os.getppid() != self.parent_pid:
+                return  # the orchestrator was killed: an orphaned engine would generate on for nobody
             idle = not self.running and not self.waiting
             messages = []
             try:

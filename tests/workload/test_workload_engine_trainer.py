@@ -201,3 +201,12 @@ def test_warm_up_runs_prefill_and_decode_and_changes_nothing_a_request_sees():
     assert warmed.warm_up_s > 0 and plain.warm_up_s == 0.0
     assert {k: v["tokens"] for k, v in got.items()} == {k: v["tokens"] for k, v in want.items()}
     assert warmed.counters["gen_tokens"] == plain.counters["gen_tokens"] > 0
+
+
+def test_an_engine_whose_orchestrator_died_stops_serving():
+    engine, out = make_engine()
+    requests: queue.Queue = queue.Queue()
+    requests.put(("generate", 0, PROMPTS[0], 12, 1.0, 0.0))
+    engine.parent_pid = -1  # as after the orchestrator was killed and the engine re-parented
+    engine.serve(requests)  # returns instead of looping forever
+    assert out.get_nowait()[0] == "ready" and out.empty() and engine.counters["gen_tokens"] == 0
