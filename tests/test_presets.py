@@ -21,6 +21,7 @@ JOBS = [p for p in JOBS if p.name != "knowledge.yaml"]
 REFERENCE_KNOBS = {"rl_mode", "max_sample_age", "micro_batch_size", "packing", "grad_checkpointing",
                    "reuse_rollout_logprobs", "engine_max_concurrency", "engine_batching", "num_engines",
                    "engine_compile", "sandbox_pool_size", "prebuilt_image", "sync_transport"}
+GPU_SPLIT_KNOBS = {"trainer_gpus", "rollout_gpus"}  # placement.*: only jobs of several GPUs map them
 
 
 def test_every_preset_file_has_a_loader():
@@ -59,7 +60,8 @@ def test_job_preset_loads_and_its_knobs_are_the_workload_config_values(path):
             node = getattr(node, part)
         # A run without overrides must be the job's baseline, or cases would record wrong knobs.
         assert node == job.knobs[knob], f"{path}: knob {knob}={job.knobs[knob]!r} but {config_path.name} {key}={node!r}"
-    assert set(job.knobs) <= REFERENCE_KNOBS
+    assert set(job.knobs) <= REFERENCE_KNOBS | GPU_SPLIT_KNOBS
+    assert not (set(job.knobs) & GPU_SPLIT_KNOBS) or job.gpus.count >= 2
     assert job.launch.steps_override == "orchestrator.steps"
 
 
@@ -70,6 +72,11 @@ def test_knowledge_base_loads_with_enough_fixes_and_maps_reference_knobs():
     expressible = [f for f in knowledge.fixes if set(f.overrides) <= REFERENCE_KNOBS]
     assert len(expressible) >= 12
     tool_use = load_job(PRESETS / "cpu-tool-use.yaml")
-    # Every fix the reference workload can express is movable in the tool-use preset, which maps all its knobs.
+    # Every fix the reference workload can express is movable in the tool-use preset, which maps all its knobs,
+    # and the GPU-split fixes in the four-GPU job.
     assert all(set(f.overrides) <= set(tool_use.launch.knob_map) for f in expressible)
+    split_job = load_job(PRESETS / "h200x4-small-math.yaml")
+    split = [f for f in knowledge.fixes if set(f.overrides) & GPU_SPLIT_KNOBS]
+    assert {f.id for f in split} >= {"gpus_to_training", "gpus_to_rollout"}
+    assert all(set(f.overrides) <= set(split_job.launch.knob_map) for f in split)
     assert all(f.source and f.moves for f in knowledge.fixes)

@@ -95,6 +95,16 @@ class SyncConfig:
 
 
 @dataclass
+class PlacementConfig:
+    trainer_gpus: int = field(0, doc="GPUs of the trainer, cuda:0..n-1, one rank each (n > 1 needs trainer.launcher: torchrun); 0: trainer and engines share the GPUs", min=0)
+    rollout_gpus: int = field(0, doc="GPUs of the engines, the next ones after the trainer's; engines go round-robin over them; 0: shared", min=0)
+
+    @property
+    def split(self) -> bool:
+        return self.trainer_gpus > 0 or self.rollout_gpus > 0
+
+
+@dataclass
 class WorkloadConfig:
     schema_version: int = field(WORKLOAD_SCHEMA_VERSION, doc="format version of this file (1)")
     name: str = field("workload", doc="run name; the default run directory is runs/workload/<name>-<time>")
@@ -104,8 +114,18 @@ class WorkloadConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig, doc="GRPO trainer")
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig, doc="batch shape and RL mode")
     sync: SyncConfig = field(default_factory=SyncConfig, doc="weight sync from trainer to engines")
+    placement: PlacementConfig = field(default_factory=PlacementConfig, doc="which GPUs train and which serve (the GPU split)")
 
     def validate(self) -> None:
+        pl = self.placement
+        if pl.split and (pl.trainer_gpus == 0 or pl.rollout_gpus == 0):
+            raise FieldProblem("placement.trainer_gpus" if pl.trainer_gpus == 0 else "placement.rollout_gpus",
+                               "a GPU split gives both the trainer and the engines at least one GPU; set both, or both to 0 to share")
+        if pl.trainer_gpus > 1 and self.trainer.launcher != "torchrun":
+            raise FieldProblem("placement.trainer_gpus", "more than one trainer GPU needs trainer.launcher: torchrun (one rank per GPU)")
+        if pl.trainer_gpus and self.trainer.world_size not in (1, pl.trainer_gpus):
+            raise FieldProblem("trainer.world_size", f"with placement.trainer_gpus = {pl.trainer_gpus} the trainer runs one rank per GPU; "
+                               "leave world_size at 1 or set it to the same number")
         if self.trainer.world_size > 1 and self.trainer.launcher != "torchrun":
             raise FieldProblem("trainer.world_size", "world_size > 1 needs trainer.launcher: torchrun")
         if self.sync.transport == "sparse_delta" and self.trainer.mini_batches != 1:
@@ -120,6 +140,11 @@ class WorkloadConfig:
     @property
     def batch_size(self) -> int:
         return self.orchestrator.tasks_per_batch * self.orchestrator.trials_per_task
+
+    @property
+    def trainer_ranks(self) -> int:
+        """Trainer processes: one per trainer GPU under a GPU split, else trainer.world_size."""
+        return self.placement.trainer_gpus or self.trainer.world_size
 
 
 # What each key moves in metrics.jsonl: the knowledge base's "which stage does this fix touch".
@@ -164,6 +189,8 @@ KNOB_EFFECTS = {
     "sync.transport": "weight_sync_s, sync_bytes",
     "sync.keep_checkpoints": "disk use of the filesystem transport",
     "sync.anchor_interval": "sparse_delta: sync_anchor_bytes every n-th version",
+    "placement.trainer_gpus": "training_s (data parallel over the trainer's own GPUs), weight_sync_s (crosses GPUs)",
+    "placement.rollout_gpus": "rollout_s (engines on their own GPUs, no longer sharing with the trainer)",
 }
 
 

@@ -17,7 +17,7 @@ def torchrun_argv(cfg: WorkloadConfig, config_path: Path, run_dir: Path, steps: 
     """argv of ``torchrun ... -m rltune.workload.trainer`` for this config (single node)."""
     exe = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     launcher = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
-    argv = [*launcher, "--standalone", f"--nproc_per_node={cfg.trainer.world_size}",
+    argv = [*launcher, "--standalone", f"--nproc_per_node={cfg.trainer_ranks}",
             "-m", "rltune.workload.trainer", str(config_path), "--run-dir", str(run_dir)]
     if steps is not None:
         argv += ["--steps", str(steps)]

@@ -91,7 +91,10 @@ class _Job:
             kv_cache_tokens=cfg.engine.kv_cache_tokens, compile=cfg.engine.compile,
             num_threads=cfg.engine.num_threads, sample_seed=cfg.orchestrator.seed,
             loader=self.publisher.engine_loader())
-        self.client = EngineClient(settings, cfg.engine.num_engines)
+        from rltune.workload.placement import place, visible_gpus
+
+        devices = place(cfg, visible_gpus(), settings.device, settings.device).engines
+        self.client = EngineClient(settings, cfg.engine.num_engines, devices=devices)
         self.rollout = Rollout(cfg, self.client, workdir=None)
         self.writer = MetricsWriter(run_dir / "metrics.jsonl")
         self.engine_version = 0

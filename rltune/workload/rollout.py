@@ -28,7 +28,10 @@ class EngineError(RltuneError):
 class EngineClient:
     """Starts ``num_engines`` engine processes and routes requests to the least loaded one."""
 
-    def __init__(self, settings, num_engines: int, start_timeout_s: float = 600.0):
+    def __init__(self, settings, num_engines: int, start_timeout_s: float = 600.0, devices: list[str] | None = None):
+        """``devices``: one per engine (the GPU split); default: every engine on ``settings.device``."""
+        import dataclasses
+
         import torch.multiprocessing as mp
 
         from rltune.workload.engine import engine_main
@@ -37,7 +40,10 @@ class EngineClient:
         self.out_queue = ctx.Queue()
         self.in_queues = [ctx.Queue() for _ in range(num_engines)]
         start = time.perf_counter()
-        self.processes = [ctx.Process(target=engine_main, args=(i, settings, self.in_queues[i], self.out_queue),
+        devices = devices or [settings.device] * num_engines
+        self.devices = devices
+        self.processes = [ctx.Process(target=engine_main, args=(i, dataclasses.replace(settings, device=devices[i]),
+                                                                self.in_queues[i], self.out_queue),
                                       daemon=True, name=f"rltune-engine-{i}") for i in range(num_engines)]
         for proc in self.processes:
             proc.start()

@@ -51,7 +51,11 @@ class GRPOTrainer:
         if self.t.num_threads:
             torch.set_num_threads(self.t.num_threads)
         device = resolve_device(self.t.device)
-        if device == "cuda" and world_size > 1:
+        if cfg.placement.split:
+            from rltune.workload.placement import place, visible_gpus
+
+            device = place(cfg, visible_gpus(), device, device).trainer[rank]
+        elif device == "cuda" and world_size > 1:
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
         self.device = torch.device(device)
         self.model = build_model(cfg.model.preset, cfg.model.seed, torch_dtype(cfg.model.dtype), self.device,

@@ -105,3 +105,26 @@ def test_no_problems_and_nothing_to_move_gives_no_candidates(tmp_path):
     diagnosis = dataclasses.replace(figure3_diagnosis(), problems=[])
     out = propose(diagnosis, job, load_default_knowledge())
     assert out.candidates == []
+
+
+def test_the_four_gpu_reference_job_moves_a_gpu_to_whichever_side_is_short():
+    from rltune.contracts.diagnosis import Diagnosis
+    from rltune.contracts.job import load_job
+
+    from .helpers import REPO, stage
+
+    job = load_job(REPO / "presets" / "h200x4-small-math.yaml")
+    for problem, limiting, fix, want in [
+        ("gpu_split_training_short", "training", "gpus_to_training", {"trainer_gpus": 3, "rollout_gpus": 1}),
+        ("gpu_split_rollout_short", "rollout", "gpus_to_rollout", {"trainer_gpus": 1, "rollout_gpus": 3}),
+    ]:
+        diagnosis = Diagnosis(
+            schema_version=1, run_id="base", source="rltune", rl_mode="sync", steps_used=[2, 3, 4],
+            step_median_s=10.0, step_model_s=10.0, limiting_stage=limiting,
+            stages={"rollout_s": stage(6.0 if limiting == "rollout" else 3.0),
+                    "training_s": stage(6.0 if limiting == "training" else 3.0), "weight_sync_s": stage(0.1)},
+            problems=[Problem(id=problem, stage=limiting, component="trainer" if limiting == "training" else "engine",
+                              summary="the other side has slack", severity=3.0)])
+        out = propose(diagnosis, job, load_default_knowledge(), max_candidates=50)
+        moved = [c for c in out.candidates if fix in c.fixes]
+        assert moved and all({k: c.overrides[k] for k in want} == want for c in moved), (fix, out.candidates)
