@@ -195,34 +195,42 @@ class DeltaReceiver:
             out.append((path, start, header))
         return out
 
-    def _read_changes(self, step: int) -> dict[str, list]:
-        """This worker's changes of a delta step: name -> [(param id, positions, diffs, checkpoint idx)]."""
+    def _decoded_entries(self, step: int):
+        """Each delta entry this worker holds any of, decoded: (checkpoint names it lands in, idx, diff).
+
+        A tied tensor's changes land in every name tied to it; an entry whose tensors this worker
+        does not hold is not even decoded.
+        """
         m = self.store.manifest(step)
         if m["kind"] == "full":
             raise fmt.ChainError(f"{self.store.step_dir(step)}: step {step} is a full checkpoint, not a delta")
-        tied = {}
+        tied: dict[str, list[str]] = {}
         for name, t in m["tensors"].items():
             if t["tied_to"] is not None:
                 tied.setdefault(t["tied_to"], []).append(name)
-        changes: dict[str, list] = {}
         for path, start, header in self._part_paths(step, m, "parts"):
             for e in header["entries"]:
                 targets = [n for n in [e["name"], *tied.get(e["name"], [])]
                            if n in self.imap.tensors and self.imap.tensors[n].held]
                 if not targets:
-                    continue  # this worker holds none of it: not even decoded
+                    continue
                 bits = _DTYPE_BITS[m["tensors"][e["name"]]["dtype"]]
                 idx, diff = codec.decode(fmt.read_entry_bytes(path, start, e), e["start"], e["stop"], bits)
                 if len(idx) != e["changes"]:
                     raise fmt.CodecError(f"{path}: entry {e['name']} decodes to {len(idx)} changes, header says {e['changes']}")
-                for name in targets:
-                    runs = self.imap.tensors[name]
-                    held, pid, pos = runs.locate(idx)
-                    hidx, hdiff = idx[held], diff[held]
-                    for p in np.unique(pid):
-                        sel = pid == p
-                        changes.setdefault(name, []).append((int(p), torch.from_numpy(pos[sel]),
-                                                             torch.from_numpy(hdiff[sel]), torch.from_numpy(hidx[sel])))
+                yield targets, idx, diff
+
+    def _read_changes(self, step: int) -> dict[str, list]:
+        """This worker's changes of a delta step: name -> [(param id, positions, diffs, checkpoint idx)]."""
+        changes: dict[str, list] = {}
+        for targets, idx, diff in self._decoded_entries(step):
+            for name in targets:
+                held, pid, pos = self.imap.tensors[name].locate(idx)
+                hidx, hdiff = idx[held], diff[held]
+                for p in np.unique(pid):
+                    sel = pid == p
+                    changes.setdefault(name, []).append((int(p), torch.from_numpy(pos[sel]),
+                                                         torch.from_numpy(hdiff[sel]), torch.from_numpy(hidx[sel])))
         return changes
 
     def _stage_changes(self, step: int) -> dict[str, Any]:
@@ -231,31 +239,15 @@ class DeltaReceiver:
         Entries follow the parts; each names a layout (checkpoint tensor; a tied tensor gets its
         own entry with the same changes); the kernel skips changes this worker does not hold.
         """
-        m = self.store.manifest(step)
-        if m["kind"] == "full":
-            raise fmt.ChainError(f"{self.store.step_dir(step)}: step {step} is a full checkpoint, not a delta")
-        self._fused_plan(m)
-        tied: dict[str, list[str]] = {}
-        for name, t in m["tensors"].items():
-            if t["tied_to"] is not None:
-                tied.setdefault(t["tied_to"], []).append(name)
+        self._fused_plan(self.store.manifest(step))
         layouts, idx_parts, val_parts = [], [], []
-        for path, start, header in self._part_paths(step, m, "parts"):
-            for e in header["entries"]:
-                targets = [n for n in [e["name"], *tied.get(e["name"], [])]
-                           if n in self.imap.tensors and self.imap.tensors[n].held]
-                if not targets:
-                    continue  # this worker holds none of it: not even decoded
-                bits = _DTYPE_BITS[m["tensors"][e["name"]]["dtype"]]
-                idx, diff = codec.decode(fmt.read_entry_bytes(path, start, e), e["start"], e["stop"], bits)
-                if len(idx) != e["changes"]:
-                    raise fmt.CodecError(f"{path}: entry {e['name']} decodes to {len(idx)} changes, header says {e['changes']}")
-                # differences wrap modulo 2^bits; as int32 (sign-wrapped) they add exactly in the kernel
-                val = ((diff + (1 << 31)) & 0xFFFFFFFF) - (1 << 31)
-                for name in targets:
-                    layouts.append(self._layout_of[name])
-                    idx_parts.append(idx)
-                    val_parts.append(val)
+        for targets, idx, diff in self._decoded_entries(step):
+            # differences wrap modulo 2^bits; as int32 (sign-wrapped) they add exactly in the kernel
+            val = ((diff + (1 << 31)) & 0xFFFFFFFF) - (1 << 31)
+            for name in targets:
+                layouts.append(self._layout_of[name])
+                idx_parts.append(idx)
+                val_parts.append(val)
         lengths = [len(i) for i in idx_parts]
         host = dict(entry_tensor_E=torch.tensor(layouts, dtype=torch.int64),
                     entry_offsets_E1=torch.tensor(np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))),
