@@ -146,7 +146,7 @@ class DeltaPublisher:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, root: str | Path, interval: int,
                  rank: int = 0, world: int = 1, *, run_id: str | None = None,
                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, wire_dtype: torch.dtype | None = None,
-                 finalize_timeout_s: float = 600.0):
+                 finalize_timeout_s: float = 600.0, dense_fraction: float | None = None):
         if interval < 1:
             raise ValueError(f"interval must be >= 1, got {interval}")
         if not 0 <= rank < world:
@@ -155,6 +155,11 @@ class DeltaPublisher:
         self.interval, self.rank, self.world = interval, rank, world
         self.run_id = run_id or uuid.uuid4().hex
         self.chunk_elements, self.wire_dtype, self.finalize_timeout_s = chunk_elements, wire_dtype, finalize_timeout_s
+        # dense_fraction: a step that changed more than this share of the elements goes out as a full
+        # checkpoint, since writing the raw bytes beats encoding that many changes (measured on the H200:
+        # 300 M changes took 19.6 s to encode, a full write of the same model 1.4-2.0 s). None: never.
+        # Ranks decide alone, so it applies to a single rank only.
+        self.dense_fraction = dense_fraction
         self.root.mkdir(parents=True, exist_ok=True)
 
         state = model.state_dict(keep_vars=True)
@@ -261,6 +266,8 @@ class DeltaPublisher:
         if self._stepped and self._last_step is not None:
             kind = "anchor" if step % self.interval == 0 else "delta"
             self._verify_live()
+            if kind == "delta" and self._dense():
+                kind = "full"
         else:
             kind = "full"
         base_step = None if kind == "full" else self._last_step
@@ -290,6 +297,14 @@ class DeltaPublisher:
                                        self.finalize_timeout_s)
         self._prune()
         return manifest
+
+    def _dense(self) -> bool:
+        """True if this step's pending changes exceed ``dense_fraction`` of the elements (one rank only)."""
+        if self.dense_fraction is None or self.world != 1:
+            return False
+        changed = sum(int(idx.numel()) for pieces in self._pending.values() for idx, _ in pieces)
+        total = sum(self.tensors[n].numel() for n in self.first_names if n not in self.static_names)
+        return total > 0 and changed > self.dense_fraction * total
 
     def _prune(self) -> None:
         # An old chain goes only once a newer anchor was already complete at the previous broadcast, so an

@@ -132,6 +132,7 @@ class TransportContext:
     chunk_elements: int = 1 << 26
     nccl_engines: int = 1
     nccl_timeout_s: float = 300.0
+    dense_fraction: float | None = None  # sparse: publish a step this dense as a full checkpoint (None: never)
     apply_fn: Callable | None = None  # sparse engine's in-place apply; None: kernels.apply_mapped_delta or the reference
 
     def __post_init__(self) -> None:
@@ -347,7 +348,7 @@ class SparseDelta(Transport):
 
         super().__init__(ctx)
         self.root = ctx.workdir / "sparse"
-        self.publisher = DeltaPublisher(ctx.model, ctx.optimizer, self.root, ctx.anchor_interval,
+        self.publisher = DeltaPublisher(ctx.model, ctx.optimizer, self.root, ctx.anchor_interval, dense_fraction=ctx.dense_fraction,
                                         run_id=f"sync-bench-{uuid.uuid4().hex[:8]}", chunk_elements=ctx.chunk_elements)
         self.engine = ctx.new_engine()
         self.gate = EngineGate(ctx.engine_device)
@@ -396,6 +397,8 @@ class SparseDelta(Transport):
                                   anchor=float(manifest["kind"] == "anchor")))
 
     def prefetch(self, step: int) -> float | None:
+        if self.receiver.store.manifest(step)["kind"] == "full":
+            return None  # a step published full (too dense for a delta) is loaded in the pause
         t: dict[str, float] = {}
         with timed(self.devices, t, "prefetch"):
             ok = self.receiver.prefetch(step)
@@ -412,7 +415,8 @@ class SparseDelta(Transport):
                 report = self.receiver.apply(step)
             except fmt.ChecksumMismatchError:
                 return False, None
-            if report.action != "delta":
+            full = self.receiver.store.manifest(step)["kind"] == "full"
+            if report.action != ("reload" if full else "delta"):
                 raise TransportError(f"{self.root}: step {step} was a {report.action}, not an in-place delta; the "
                                      "engine fell off the delta chain")
             return True, report.changes_applied

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from rltune.contracts.stages import read_stages
@@ -105,6 +106,18 @@ def test_cli_prints_the_table_and_json(tmp_path, capsys):
     record = json.loads(captured.out)
     assert record["all_verified"] is True and list(record["transports"]) == ["filesystem", "sparse"]
     assert (tmp_path / "sync-bench.parquet").exists()
+
+
+def test_dense_steps_published_full_are_reloaded_and_verified(tmp_path):
+    from rltune.sync.bench import load_sync_bench_config, resolve_preset, run_sync_bench, with_overrides
+
+    cfg = with_overrides(load_sync_bench_config(resolve_preset("cpu")), steps=2, warmup_steps=0,
+                         transports=["sparse"], dense_fraction=0.001)
+    result = run_sync_bench(cfg, tmp_path)
+    assert result.record["all_verified"] is True
+    rows = pq.read_table(tmp_path / "sync-bench.parquet").to_pylist()
+    dense = [r for r in rows if r["changed_frac"] > 0.001]
+    assert dense and all(r["bytes"] > 0.5 * max(x["bytes"] for x in rows) for r in dense)  # written full
 
 
 def test_cli_unknown_preset_is_one_line_exit_2(tmp_path, capsys):

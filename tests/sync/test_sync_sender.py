@@ -59,6 +59,41 @@ def test_a_broadcast_without_an_optimizer_step_is_a_full_checkpoint(tmp_path):
     assert m["kind"] == "anchor" and len(m["parts"]) == 1 and len(m["anchors"]) == 1
 
 
+def test_a_step_that_changed_most_elements_goes_out_full_and_engines_reload_it(tmp_path):
+    tr = Trainer(tmp_path, interval=10, dense_fraction=0.25)
+    cfg = engine_cfg(tr)
+    m0 = tr.pub.publish(0)
+    follower, rx = make_receiver(tmp_path, cfg, m0)
+    rx.apply(0)
+    for group in tr.opt.param_groups:
+        group["lr"] = 1e-6  # a small step: few bf16 elements change, a delta
+    tr.train_step()
+    small = tr.pub.publish(1)
+    changed = sum(e["changes"] for e in _entries(tmp_path, 1))
+    assert small["kind"] == "delta" and 0 < changed < 0.25 * sum(p.numel() for p in tr.model.parameters())
+    assert rx.apply(1).action == "delta"
+    for group in tr.opt.param_groups:
+        group["lr"] = 1e-1  # a large step changes nearly every element
+    tr.train_step()
+    dense = tr.pub.publish(2)
+    assert dense["kind"] == "full" and dense["base_step"] is None and not dense["parts"]
+    assert rx.apply(2).action == "reload"
+    for group in tr.opt.param_groups:
+        group["lr"] = 1e-6
+    tr.train_step()
+    assert tr.pub.publish(3)["base_step"] == 2  # the chain goes on from the full step
+    rx.apply(3)
+    assert_same_params(follower, reference_engine(cfg, tr.wire_state()))
+
+
+def _entries(root, step):
+    from rltune.sync import format as fmt_
+
+    path = root / fmt_.step_dir_name(step) / fmt_.part_file_name(0, "delta")
+    header, _ = fmt_.read_part_header(path)
+    return header["entries"]
+
+
 def test_a_weight_changed_outside_the_step_raises(tmp_path):
     tr = Trainer(tmp_path)
     tr.pub.publish(0)
