@@ -66,6 +66,15 @@ def test_misspelt_job_key_is_one_line_and_exit_2(tmp_path, capsys):
     assert err.strip().splitlines() == [f"rltune: {path}: launch.comand: unknown key (did you mean 'command'?)"]
 
 
+@pytest.mark.parametrize("argv, says", [(["eval", "--plot", "x"], "No such option: --plot"),
+                                        (["bogus"], "No such command 'bogus'"),
+                                        (["predict"], "Missing argument")])
+def test_usage_errors_name_the_problem_without_a_traceback_and_exit_2(argv, says, capsys):
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and says in err and "Traceback" not in err
+
+
 def test_console_script_start_up_time():
     exe = Path(sys.executable).with_name("rltune")
     if not exe.exists():

@@ -47,15 +47,31 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # click's own exits (e.g. --help)
         return int(exc.code or 0)
     except Exception as exc:  # click usage errors carry their own exit code
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
+        usage_errors, aborts = _click_error_types()
+        if isinstance(exc, usage_errors):
             exc.show()
             return exc.exit_code
-        if isinstance(exc, click.exceptions.Abort):
+        if isinstance(exc, aborts):
             return 1
         raise
     return 0
+
+
+def _click_error_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """Click's usage-error and abort classes: click's own, and those newer typer releases vendor."""
+    import click
+    import typer
+
+    usage, aborts = [click.exceptions.ClickException], [click.exceptions.Abort]
+    try:
+        from typer._click import exceptions as vendored
+    except ImportError:
+        vendored = None
+    if vendored is not None:
+        usage.append(vendored.ClickException)
+    if isinstance(getattr(typer, "Abort", None), type):
+        aborts.append(typer.Abort)
+    return tuple(usage), tuple(aborts)
 
 
 if __name__ == "__main__":
