@@ -165,7 +165,7 @@ class ChangeSink:
         self._checksum_dev = torch.zeros(max_chunks, dtype=torch.int64, device=self.device)
         self._start_host = torch.zeros(max_chunks + 1, dtype=torch.int64, pin_memory=pin)
         self._checksum_host = torch.zeros(max_chunks, dtype=torch.int64, pin_memory=pin)
-        self._scratch: dict[torch.dtype, tuple] = {}
+        self._scratch: tuple | None = None  # the diff's device scratch (positions and per-program sums), made once
         self._event = None
         self.keys: list[Any] = []
 
@@ -176,10 +176,10 @@ class ChangeSink:
         if not self.triton:
             self._start_host.zero_()
 
-    def _scratch_for(self, dtype: torch.dtype) -> tuple:
-        if dtype not in self._scratch:
-            self._scratch[dtype] = _triton().diff_scratch(self.max_chunk_elements, self.device)
-        return self._scratch[dtype]
+    def _diff_scratch(self) -> tuple:
+        if self._scratch is None:
+            self._scratch = _triton().diff_scratch(self.max_chunk_elements, self.device)
+        return self._scratch
 
     def append(self, old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int, key: Any) -> None:
         """Record the changes of a chunk holding elements ``[offset, offset + N)`` of the tensor ``key``."""
@@ -206,7 +206,7 @@ class ChangeSink:
             return
         tk = _triton()
         partial_P = tk.diff_extract_launch(old_bits_N, new_bits_N, offset, _MASK_OF_BITS[old_bits_N.dtype],
-                                           self._scratch_for(old_bits_N.dtype), self._start_dev, k,
+                                           self._diff_scratch(), self._start_dev, k,
                                            (self.idx, self.new, self.old), self.capacity)
         torch.sum(partial_P, dim=0, keepdim=True, out=self._checksum_dev[k:k + 1])
 
