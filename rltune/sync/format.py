@@ -131,6 +131,17 @@ def write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def save_safetensors_atomic(state: dict, path: Path, metadata: dict[str, str]) -> None:
+    """A full checkpoint as safetensors, written as :func:`write_atomic` does (streamed, not built in memory)."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_suffix(".tmp")
+    save_file(state, str(tmp), metadata=metadata)
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
 # ----------------------------------------------------------------------------------------------
 # part files
 

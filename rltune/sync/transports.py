@@ -249,15 +249,11 @@ class FilesystemFull(Transport):
         self.path: Path | None = None
 
     def _write(self, step: int) -> int:
-        from safetensors.torch import save_file
+        from rltune.sync.format import save_safetensors_atomic
 
         state = {n: t.contiguous().cpu() for n, t in self.ctx.trainer_state().items()}
         path = self.dir / f"step-{step:06d}.safetensors"
-        tmp = path.with_suffix(".tmp")
-        save_file(state, str(tmp), metadata={"step": str(step)})
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        save_safetensors_atomic(state, path, {"step": str(step)})
         if self.path is not None and self.path != path:
             self.path.unlink(missing_ok=True)  # the engine has loaded it: keep one checkpoint on disk
         self.path = path

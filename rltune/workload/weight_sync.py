@@ -59,15 +59,11 @@ class FilesystemPublisher:
         return FilesystemLoader()
 
     def publish(self, model, version: int) -> tuple[dict, dict[str, float]]:
-        from safetensors.torch import save_file
+        from rltune.sync.format import save_safetensors_atomic
 
         state = {k: v.cpu().contiguous() for k, v in _engine_state(model, self.engine_dtype).items()}
         path = self.dir / f"v{version:06d}.safetensors"
-        tmp = path.with_suffix(".tmp")
-        save_file(state, str(tmp), metadata={"version": str(version)})
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        save_safetensors_atomic(state, path, {"version": str(version)})
         self.written.append(path)
         return {"path": str(path)}, {"bytes": float(path.stat().st_size)}
 
