@@ -154,6 +154,11 @@ def _rewrite_part(path, edit_entry):
     return path.stat().st_size
 
 
+def _restore(root, step, part, good):
+    part.write_bytes(good)
+    _fix_manifest_size(root, step, len(good))
+
+
 def _fix_manifest_size(root, step, size, key="parts"):
     d = root / fmt.step_dir_name(step)
     m = json.loads((d / fmt.MANIFEST_NAME).read_text())
@@ -175,13 +180,7 @@ def test_wrong_values_with_valid_bytes_fail_the_tensor_checksum(run, tmp_path, p
     part = _delta_path(root, 4)
     good = part.read_bytes()
     _fix_manifest_size(root, 4, _rewrite_part(part, plus_one))
-    with pytest.raises(fmt.ChecksumMismatchError):
-        rx.apply(4)
-    part.write_bytes(good)
-    _fix_manifest_size(root, 4, len(good))
-    rx.store.forget(4)
-    assert rx.apply(4).action == "reload"
-    _assert_at(run, engine, 4)
+    _expect_failure_then_heal(run, root, rx, engine, 4, fmt.ChecksumMismatchError, lambda: _restore(root, 4, part, good))
 
 
 def test_a_wrong_value_in_an_anchor_with_valid_crcs_fails_the_tensor_checksum(run, tmp_path):
@@ -227,13 +226,7 @@ def test_a_part_from_another_step_is_detected(run, tmp_path):
     path.write_bytes(other)
     _fix_manifest_size(root, 5, len(other))  # even with the size made to match
     rx.apply(4)
-    with pytest.raises(fmt.WrongStepError):
-        rx.apply(5)
-    path.write_bytes(good)
-    _fix_manifest_size(root, 5, len(good))
-    rx.store.forget(5)
-    assert rx.apply(5).action == "reload"
-    _assert_at(run, engine, 5)
+    _expect_failure_then_heal(run, root, rx, engine, 5, fmt.WrongStepError, lambda: _restore(root, 5, path, good))
 
 
 def test_double_applied_delta_is_refused_by_the_plan_and_caught_by_the_checksum(run, tmp_path):
