@@ -102,15 +102,15 @@ def bench_apply(dev, timer, total, tensors, fractions) -> list[dict]:
         # after one application the patched state is fixed, so its full checksums are what the trainer sends
         plan.apply(entry_tensor, offsets, idx, val32, add=False)
         trainer = [K.checksum(p) for p in params]
-        running = torch.tensor([c - (1 << 64) if c >= 1 << 63 else c for c in trainer], device=dev)
 
-        # what the engine compares: the running checksums it moves against the trainer's, on the device,
-        # with one host sync for the verdict
-        expected = torch.tensor([c - (1 << 64) if c >= 1 << 63 else c for c in trainer], device=dev)
+        # what the engine does (DeltaReceiver._apply_fused): one copy and one host sync bring the
+        # per-entry checksum changes and counts, which move the running checksums it compares with
+        # the trainer's
 
-        def apply_verify(idx=idx, val32=val32, offsets=offsets, running=running, expected=expected):
-            moved = running + plan.apply(entry_tensor, offsets, idx, val32, add=False).checksum_E
-            if not bool(torch.equal(moved, expected)):
+        def apply_verify(idx=idx, val32=val32, offsets=offsets, running=trainer, expected=trainer):
+            changes, written = plan.apply(entry_tensor, offsets, idx, val32, add=False).to_host()
+            if [(r + c) & MASK64 for r, c in zip(running, changes, strict=True)] != expected \
+                    or sum(written) != idx.numel():
                 raise RuntimeError("running checksums after apply differ from the trainer's")
 
         fused_verify = timer(apply_verify)
@@ -150,15 +150,26 @@ def bench_diff(dev, timer, total, chunk, fractions) -> list[dict]:
                     torch.empty(cap, dtype=torch.int32, device=dev))
             chunks = -(-total // n)
             starts = torch.zeros(chunks + 1, dtype=torch.int64, device=dev)
+            sums = torch.zeros(chunks, dtype=torch.int64, device=dev)
 
-            def to_device(new=new, scratch=scratch, outs=outs, starts=starts, cap=cap, n=n):
+            def to_device(new=new, scratch=scratch, outs=outs, starts=starts, sums=sums, cap=cap, n=n):
+                sums.zero_()  # the chunks' checksum changes are added into it (a step's sink does the same)
                 for k, a in enumerate(range(0, total, n)):
-                    tk.diff_extract_launch(old[a:a + n], new[a:a + n], a, 0xFFFF, scratch, starts, k, outs, cap)
+                    tk.diff_extract_launch(old[a:a + n], new[a:a + n], a, 0xFFFF, scratch, starts, k, outs, cap, sums)
 
             row["diff_extract_device"] = with_rate(timer(to_device), total * 4)
             to_device()
             if int(starts[-1]) != int(changed.sum()):
                 raise RuntimeError(f"diff/extract found {int(starts[-1])} changes, expected {int(changed.sum())}")
+            # exactness at this size: positions, values and checksum change equal the torch reference's
+            from rltune.sync.kernels.reference import diff_extract_ref
+
+            want = diff_extract_ref(old, new, 0)
+            count = int(starts[-1])
+            got = (outs[0][:count], outs[1][:count], outs[2][:count])
+            if not all(torch.equal(g, w) for g, w in zip(got, want[:3], strict=True)) \
+                    or int(sums.sum()) & MASK64 != want[3]:
+                raise RuntimeError("diff/extract differs from diff_extract_ref at benchmark size")
         sink = K.ChangeSink(int(total * fraction * 1.2) + 1024, min(chunk, total), -(-total // chunk), dev)
 
         def to_sink(new=new, sink=sink):
@@ -219,7 +230,9 @@ def bench_step(dev, timer, total, tensors, chunk) -> dict:
 
 CHECKSUM_CONFIGS = ((512, 16, 4), (1024, 8, 4), (1024, 4, 4), (2048, 4, 8), (1024, 16, 8), (2048, 8, 8),
                     (512, 32, 4), (4096, 4, 8))
-DIFF_CONFIGS = ((2048, 4, 256), (2048, 4, 64), (1024, 4, 64), (4096, 4, 64), (4096, 8, 128), (8192, 8, 128))
+# diff: (mask words per program, warps of the mask pass, warps of the expand pass)
+DIFF_CONFIGS = ((128, 4, 4), (64, 2, 2), (64, 4, 2), (128, 4, 2), (128, 8, 4), (256, 8, 4), (256, 8, 8),
+                (512, 8, 8))
 APPLY_CONFIGS = ((1024, 4), (512, 4), (1024, 8), (2048, 8), (4096, 8), (256, 2))
 
 
@@ -243,22 +256,24 @@ def bench_tune(dev, timer, total, tensors) -> dict:
     outs = (torch.empty(cap, dtype=torch.int64, device=dev), torch.empty(cap, dtype=torch.int32, device=dev),
             torch.empty(cap, dtype=torch.int32, device=dev))
     starts = torch.zeros(-(-total // chunk) + 1, dtype=torch.int64, device=dev)
-    for block, warps, copy in DIFF_CONFIGS:
-        tk.DIFF_BLOCK, tk.DIFF_WARPS, tk.DIFF_COPY = block, warps, copy
+    sums = torch.zeros(-(-total // chunk), dtype=torch.int64, device=dev)
+    for words, mask_warps, expand_warps in DIFF_CONFIGS:
+        tk.DIFF_WORDS, tk.DIFF_MASK_WARPS, tk.DIFF_EXPAND_WARPS = words, mask_warps, expand_warps
         programs = tk.diff_programs(chunk)
         scratch = tk.diff_scratch(chunk, dev)
 
         def both(scratch=scratch):
             for k, a in enumerate(range(0, total, chunk)):
-                tk.diff_extract_launch(bits[a:a + chunk], new[a:a + chunk], a, 0xFFFF, scratch, starts, k, outs, cap)
+                tk.diff_extract_launch(bits[a:a + chunk], new[a:a + chunk], a, 0xFFFF, scratch, starts, k, outs, cap,
+                                       sums)
 
-        def compact_only(scratch=scratch, programs=programs):
+        def mask_only(scratch=scratch, programs=programs):
             for a in range(0, total, chunk):
-                tk._diff_compact_kernel[(programs,)](bits[a:a + chunk], new[a:a + chunk], chunk, scratch[0], scratch[1],
-                                                    BLOCK=tk.DIFF_BLOCK, num_warps=tk.DIFF_WARPS)
+                tk._diff_mask_kernel[(programs,)](bits[a:a + chunk], new[a:a + chunk], chunk, scratch[0], scratch[1],
+                                                  WORDS=tk.DIFF_WORDS, num_warps=tk.DIFF_MASK_WARPS)
 
-        out["diff"][f"{block}w{warps}c{copy}"] = dict(both_ms=timer(both)["median_ms"],
-                                               compact_only_ms=timer(compact_only)["median_ms"])
+        out["diff"][f"{words}w{mask_warps}e{expand_warps}"] = dict(both_ms=timer(both)["median_ms"],
+                                                                   mask_only_ms=timer(mask_only)["median_ms"])
     per = total // tensors
     params = list(bits.view(tensors, per).unbind(0))
     plan = K.ApplyPlan(params, [K.strided_layout(t, [per]) for t in range(tensors)])
@@ -282,10 +297,10 @@ def set_launch_config(best: dict) -> dict:
     if "checksum" in best:
         tk.CHECKSUM_BLOCK, tk.CHECKSUM_TILES, tk.CHECKSUM_WARPS = map(int, re.findall(r"\d+", best["checksum"]))
     if "diff" in best:
-        tk.DIFF_BLOCK, tk.DIFF_WARPS, tk.DIFF_COPY = map(int, re.findall(r"\d+", best["diff"]))
+        tk.DIFF_WORDS, tk.DIFF_MASK_WARPS, tk.DIFF_EXPAND_WARPS = map(int, re.findall(r"\d+", best["diff"]))
     if "apply" in best:
         tk.APPLY_BLOCK, tk.APPLY_WARPS = map(int, re.findall(r"\d+", best["apply"]))
-    return dict(checksum=[tk.CHECKSUM_BLOCK, tk.CHECKSUM_TILES, tk.CHECKSUM_WARPS], diff=[tk.DIFF_BLOCK, tk.DIFF_WARPS, tk.DIFF_COPY],
+    return dict(checksum=[tk.CHECKSUM_BLOCK, tk.CHECKSUM_TILES, tk.CHECKSUM_WARPS], diff=[tk.DIFF_WORDS, tk.DIFF_MASK_WARPS, tk.DIFF_EXPAND_WARPS],
                 apply=[tk.APPLY_BLOCK, tk.APPLY_WARPS])
 
 

@@ -374,9 +374,9 @@ class DeltaReceiver:
         plan = self._fused_plan(self.store.manifest(step))
         result = plan.apply(staged["entry_tensor_E"], staged["entry_offsets_E1"], staged["idx_C"], staged["val_C"],
                             add=True)
-        changes, written = torch.stack([result.checksum_E, result.written_E]).tolist()
+        changes, written = result.to_host()
         for name, change in zip(staged["entry_names"], changes, strict=True):
-            self._shares[name] = (self._shares.get(name, 0) + int(change)) & MASK64
+            self._shares[name] = (self._shares.get(name, 0) + change) & MASK64
         self.step = step
         self.deltas_applied += 1
         return int(sum(written))

@@ -165,7 +165,7 @@ class ChangeSink:
         self._checksum_dev = torch.zeros(max_chunks, dtype=torch.int64, device=self.device)
         self._start_host = torch.zeros(max_chunks + 1, dtype=torch.int64, pin_memory=pin)
         self._checksum_host = torch.zeros(max_chunks, dtype=torch.int64, pin_memory=pin)
-        self._scratch: tuple | None = None  # the diff's device scratch (positions and per-program sums), made once
+        self._scratch: tuple | None = None  # the diff's device scratch (mask words, per-program counts), made once
         self._event = None
         self.keys: list[Any] = []
 
@@ -173,7 +173,9 @@ class ChangeSink:
         """Start a new step (buffers are reused)."""
         self.keys = []
         self._event = None
-        if not self.triton:
+        if self.triton:
+            self._checksum_dev.zero_()  # the diff adds each chunk's checksum change into its slot
+        else:
             self._start_host.zero_()
 
     def _diff_scratch(self) -> tuple:
@@ -204,11 +206,9 @@ class ChangeSink:
             self._start_host[k + 1] = stop
             self._checksum_host[k] = change - (1 << 64) if change >= 1 << 63 else change
             return
-        tk = _triton()
-        partial_P = tk.diff_extract_launch(old_bits_N, new_bits_N, offset, _MASK_OF_BITS[old_bits_N.dtype],
-                                           self._diff_scratch(), self._start_dev, k,
-                                           (self.idx, self.new, self.old), self.capacity)
-        torch.sum(partial_P, dim=0, keepdim=True, out=self._checksum_dev[k:k + 1])
+        _triton().diff_extract_launch(old_bits_N, new_bits_N, offset, _MASK_OF_BITS[old_bits_N.dtype],
+                                      self._diff_scratch(), self._start_dev, k, (self.idx, self.new, self.old),
+                                      self.capacity, self._checksum_dev)
 
     def finish(self) -> None:
         """Queue the copy of chunk starts and checksums to the host (no sync)."""
@@ -251,10 +251,11 @@ def diff_extract(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int
     out = (torch.empty(n, dtype=torch.int64, device=dev), torch.empty(n, dtype=torch.int32, device=dev),
            torch.empty(n, dtype=torch.int32, device=dev))
     start = torch.zeros(2, dtype=torch.int64, device=dev)
-    partial_P = tk.diff_extract_launch(old_bits_N, new_bits_N, offset, _MASK_OF_BITS[old_bits_N.dtype], scratch, start,
-                                       0, out, n)
-    count = int(start[1])
-    return out[0][:count], out[1][:count], out[2][:count], int(partial_P.sum()) & MASK64
+    change = torch.zeros(1, dtype=torch.int64, device=dev)
+    tk.diff_extract_launch(old_bits_N, new_bits_N, offset, _MASK_OF_BITS[old_bits_N.dtype], scratch, start, 0, out, n,
+                           change)
+    count, change = torch.stack([start[1], change[0]]).tolist()
+    return out[0][:count], out[1][:count], out[2][:count], change & MASK64
 
 
 # --------------------------------------------------------------------------------------- fused apply
@@ -354,16 +355,31 @@ def layouts_from_index_map(index_map, shapes: dict[str, list[int]]) -> tuple[lis
 
 @dataclass
 class ApplyResult:
-    """Per delta entry: running-checksum change (int64 bits, mod 2**64) and changes written; on the device."""
+    """Per delta entry: running-checksum change (int64 bits, mod 2**64) and changes written; on the device.
 
-    checksum_E: torch.Tensor
-    written_E: torch.Tensor
+    Both rows live in one ``[2, E]`` tensor, so :meth:`to_host` reads them with one copy and one sync.
+    """
+
+    both_2E: torch.Tensor
+
+    @property
+    def checksum_E(self) -> torch.Tensor:
+        return self.both_2E[0]
+
+    @property
+    def written_E(self) -> torch.Tensor:
+        return self.both_2E[1]
+
+    def to_host(self) -> tuple[list[int], list[int]]:
+        """(checksum changes mod 2**64, changes written) per entry, with one host sync."""
+        sums, written = self.both_2E.tolist()
+        return [int(v) & MASK64 for v in sums], [int(v) for v in written]
 
     def checksums(self) -> list[int]:
-        return [int(v) & MASK64 for v in self.checksum_E.tolist()]
+        return self.to_host()[0]
 
     def written(self) -> list[int]:
-        return [int(v) for v in self.written_E.tolist()]
+        return self.to_host()[1]
 
 
 class ApplyPlan:
@@ -405,15 +421,11 @@ class ApplyPlan:
             for width in self.widths:  # compile now, outside any pause
                 for add in (True, False):
                     empty = torch.zeros(0, dtype=torch.int64, device=self.device)
-                    self._launch(torch.zeros(1, dtype=torch.int64, device=self.device), empty,
-                                 torch.zeros(0, dtype=torch.int32, device=self.device), empty, empty, width, add)
-
-    def _launch(self, offsets, entry_tensor, val, idx, out_pair, width, add):
-        checksum_E = torch.zeros(max(1, entry_tensor.numel()), dtype=torch.int64, device=self.device)
-        written_E = torch.zeros_like(checksum_E)
-        _triton().apply_deltas_launch(idx, val, offsets, entry_tensor, self.layout_T, self.tables, self.addresses,
-                                      checksum_E, written_E, width, add)
-        return checksum_E, written_E
+                    sums = torch.zeros(2, 1, dtype=torch.int64, device=self.device)
+                    _triton().apply_deltas_launch(empty, torch.zeros(0, dtype=torch.int32, device=self.device),
+                                                  torch.zeros(1, dtype=torch.int64, device=self.device), empty,
+                                                  self.layout_T, self.tables, self.addresses, sums[0], sums[1],
+                                                  width, add)
 
     def apply(self, entry_tensor_E: torch.Tensor, entry_offsets_E1: torch.Tensor, idx_C: torch.Tensor,
               val_C: torch.Tensor, add: bool = True) -> ApplyResult:
@@ -427,20 +439,18 @@ class ApplyPlan:
             sums, written = apply_deltas_ref(self.targets, self.layouts, entry_tensor_E, entry_offsets_E1, idx_C,
                                              val_C, add)
             signed = [s - (1 << 64) if s >= 1 << 63 else s for s in sums]
-            return ApplyResult(torch.tensor(signed, dtype=torch.int64), torch.tensor(written, dtype=torch.int64))
+            return ApplyResult(torch.tensor([signed, written], dtype=torch.int64).reshape(2, -1))
         dev = self.device
         entry_tensor_E = entry_tensor_E.to(dev, torch.int64)
         entry_offsets_E1 = entry_offsets_E1.to(dev, torch.int64)
         idx_C, val_C = idx_C.to(dev), val_C.to(dev)
         n_entries = entry_tensor_E.numel()
-        checksum_E = torch.zeros(n_entries, dtype=torch.int64, device=dev)
-        written_E = torch.zeros(n_entries, dtype=torch.int64, device=dev)
+        both_2E = torch.zeros(2, n_entries, dtype=torch.int64, device=dev)  # the kernels add into it atomically
         if n_entries:
-            for width in self.widths:
-                c, w = self._launch(entry_offsets_E1, entry_tensor_E, val_C, idx_C, None, width, add)
-                checksum_E += c[:n_entries]
-                written_E += w[:n_entries]
-        return ApplyResult(checksum_E, written_E)
+            for width in self.widths:  # one launch per element width the plan holds (usually one)
+                _triton().apply_deltas_launch(idx_C, val_C, entry_offsets_E1, entry_tensor_E, self.layout_T,
+                                              self.tables, self.addresses, both_2E[0], both_2E[1], width, add)
+        return ApplyResult(both_2E)
 
 
 def apply_deltas(plan: ApplyPlan, entry_tensor_E: torch.Tensor, entry_offsets_E1: torch.Tensor,

@@ -30,9 +30,9 @@ CHECKSUM_BLOCK = 512
 CHECKSUM_TILES = 32
 CHECKSUM_WARPS = 4
 
-DIFF_BLOCK = 2048
-DIFF_WARPS = 4
-DIFF_COPY = 64
+DIFF_WORDS = 128  # 32-bit mask words per diff program: 4096 elements
+DIFF_MASK_WARPS = 4
+DIFF_EXPAND_WARPS = 4
 APPLY_BLOCK = 512
 APPLY_WARPS = 4
 
@@ -95,91 +95,110 @@ def checksum_partials(bits_N: torch.Tensor, offset: int, mask: int) -> torch.Ten
 
 
 # ------------------------------------------------------------------------------------- diff/extract
+#
+# Two passes per chunk. Pass 1 reads every element of old and new once and writes only a bitmask
+# (one bit per element, 1/16 of a bf16 chunk) and each block's change count; it ranks nothing, so
+# it runs at the read bandwidth. Pass 2 touches the changes only: each program expands its block's
+# mask words lowest set bit first (so positions come out ascending), gathers old and new bits at
+# those positions and writes (index, new, old) at the block's exclusive prefix of the counts.
+
+
+@triton.jit
+def _popcount32(v):
+    # bits set in v (int64 holding an unsigned 32-bit value); SWAR, no libdevice (runs in the interpreter)
+    v = v - ((v >> 1) & 0x55555555)
+    v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+    v = (v + (v >> 4)) & 0x0F0F0F0F
+    return ((v * 0x01010101) & 0xFFFFFFFF) >> 24
+
+
+@triton.jit
+def _lowest_bit_index(v):
+    # index of the lowest set bit of v (int64, 0 < v < 2^32): the float32 exponent of v & -v
+    low = (v & -v).to(tl.float32)
+    return ((low.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
 
 
 @triton.jit(do_not_specialize=["n"])
-def _diff_compact_kernel(old_ptr, new_ptr, n: tl.int64, scratch_idx_ptr, count_P_ptr, BLOCK: tl.constexpr):
-    # Pass 1 (dense, reads every element once): each program compacts the positions of its block's
-    # changes, in index order, into its own scratch region [pid * BLOCK, pid * BLOCK + count) and
-    # writes its count. Nothing else is computed per element: values and checksums are pass 2's.
+def _diff_mask_kernel(old_ptr, new_ptr, n: tl.int64, words_ptr, count_P_ptr, WORDS: tl.constexpr):
     pid = tl.program_id(0)
-    base = pid.to(tl.int64) * BLOCK
-    lane = tl.arange(0, BLOCK)
-    if n - base >= BLOCK:  # a full block: unmasked (vector) loads
-        old = tl.load(old_ptr + base + lane)
-        new = tl.load(new_ptr + base + lane)
+    base = pid.to(tl.int64) * (WORDS * 32)
+    word = tl.arange(0, WORDS)
+    bit = tl.arange(0, 32)
+    offs = word[:, None] * 32 + bit[None, :]
+    if n - base >= WORDS * 32:  # a full block: unmasked (vector) loads
+        old = tl.load(old_ptr + base + offs)
+        new = tl.load(new_ptr + base + offs)
     else:
-        valid = lane < n - base
-        old = tl.load(old_ptr + base + lane, mask=valid, other=0)
-        new = tl.load(new_ptr + base + lane, mask=valid, other=0)
-    changed = old != new  # padding lanes load 0 on both sides
-    changed_i = changed.to(tl.int32)
-    rank = tl.cumsum(changed_i, axis=0) - changed_i
-    tl.store(scratch_idx_ptr + base + rank, base.to(tl.int32) + lane, mask=changed)
-    tl.store(count_P_ptr + pid, tl.sum(changed_i, axis=0))
+        valid = offs < n - base
+        old = tl.load(old_ptr + base + offs, mask=valid, other=0)
+        new = tl.load(new_ptr + base + offs, mask=valid, other=0)
+    changed = (old != new).to(tl.int32)  # padding lanes load 0 on both sides
+    # distinct powers of two: their sum is their OR (bit 31 wraps to the sign, as the mask word wants)
+    tl.store(words_ptr + pid.to(tl.int64) * WORDS + word, tl.sum(changed << bit[None, :], axis=1))
+    tl.store(count_P_ptr + pid, tl.sum(tl.sum(changed, axis=1), axis=0))
 
 
 @triton.jit(do_not_specialize=["offset", "chunk", "capacity", "programs"])
-def _diff_gather_kernel(old_ptr, new_ptr, scratch_idx_ptr, count_P_ptr, inclusive_P_ptr, chunk_start_ptr,
-                        chunk: tl.int64, offset: tl.int64, out_idx_ptr, out_new_ptr, out_old_ptr, checksum_P_ptr,
-                        capacity: tl.int64, programs: tl.int64, MASK: tl.constexpr, BLOCK: tl.constexpr,
-                        COPY: tl.constexpr):
-    # Pass 2 (sparse, touches changes only): read each change's old and new bits at its position,
-    # write (index, new, old) to out[start + exclusive prefix, ...) and the program's checksum change
-    # sum (offset + i + 1) * (new - old). ``start`` is where this chunk begins in the output (written
-    # by the previous chunk's pass 2, on device).
+def _diff_expand_kernel(old_ptr, new_ptr, words_ptr, count_P_ptr, inclusive_P_ptr, chunk_start_ptr,
+                        chunk: tl.int64, offset: tl.int64, out_idx_ptr, out_new_ptr, out_old_ptr, checksum_K_ptr,
+                        capacity: tl.int64, programs: tl.int64, MASK: tl.constexpr, WORDS: tl.constexpr):
+    # ``start`` is where this chunk begins in the output (written by the previous chunk's pass 2, on
+    # device); each program adds its sum (offset + i + 1) * (new - old) to the chunk's checksum change.
     pid = tl.program_id(0)
     count = tl.load(count_P_ptr + pid)
     inclusive = tl.load(inclusive_P_ptr + pid)
     start = tl.load(chunk_start_ptr + chunk)
-    dst0 = start + inclusive - count
-    src0 = pid.to(tl.int64) * BLOCK
-    copy_lane = tl.arange(0, COPY)
-    total = tl.zeros([COPY], dtype=tl.int64)
-    for k in range(0, count, COPY):
-        j = k + copy_lane
-        inside = j < count
-        dst = dst0 + j
-        fits = inside & (dst < capacity)
-        local = tl.load(scratch_idx_ptr + src0 + j, mask=inside, other=0).to(tl.int64)
-        new = tl.load(new_ptr + local, mask=inside, other=0).to(tl.int64) & MASK
-        old = tl.load(old_ptr + local, mask=inside, other=0).to(tl.int64) & MASK
-        tl.store(out_idx_ptr + dst, local + offset, mask=fits)
-        tl.store(out_new_ptr + dst, new.to(tl.int32), mask=fits)
-        tl.store(out_old_ptr + dst, old.to(tl.int32), mask=fits)
-        total += tl.where(inside, (offset + local + 1) * (new - old), 0)
-    tl.store(checksum_P_ptr + pid, tl.sum(total, axis=0))
+    if count > 0:
+        word = tl.arange(0, WORDS)
+        bits = tl.load(words_ptr + pid.to(tl.int64) * WORDS + word).to(tl.int64) & 0xFFFFFFFF
+        ones = _popcount32(bits)
+        dst = start + inclusive - count + tl.cumsum(ones, axis=0) - ones  # the word's first change
+        first = pid.to(tl.int64) * (WORDS * 32) + word * 32  # the word's first element
+        total = tl.zeros([WORDS], dtype=tl.int64)
+        for _ in range(tl.max(ones, axis=0)):
+            has = bits != 0
+            local = first + _lowest_bit_index(bits)
+            new = tl.load(new_ptr + local, mask=has, other=0).to(tl.int64) & MASK
+            old = tl.load(old_ptr + local, mask=has, other=0).to(tl.int64) & MASK
+            fits = has & (dst < capacity)
+            tl.store(out_idx_ptr + dst, local + offset, mask=fits)
+            tl.store(out_new_ptr + dst, new.to(tl.int32), mask=fits)
+            tl.store(out_old_ptr + dst, old.to(tl.int32), mask=fits)
+            total += tl.where(has, (offset + local + 1) * (new - old), 0)
+            bits = bits & (bits - 1)  # clear the lowest set bit
+            dst += 1
+        tl.atomic_add(checksum_K_ptr + chunk, tl.sum(total, axis=0))
     if pid == programs - 1:
         tl.store(chunk_start_ptr + chunk + 1, start + inclusive)
 
 
 def diff_programs(n: int) -> int:
-    return max(1, triton.cdiv(n, DIFF_BLOCK))
+    return max(1, triton.cdiv(n, DIFF_WORDS * 32))
 
 
-def diff_scratch(n: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Device scratch of a diff over chunks of up to ``n`` elements: positions, per-program counts and checksums."""
+def diff_scratch(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device scratch of a diff over chunks of up to ``n`` elements: mask words and per-program counts."""
     programs = diff_programs(n)
-    return (torch.empty(programs * DIFF_BLOCK, dtype=torch.int32, device=device),
-            torch.empty(programs, dtype=torch.int32, device=device),
-            torch.empty(programs, dtype=torch.int64, device=device))
+    return (torch.empty(programs * DIFF_WORDS, dtype=torch.int32, device=device),
+            torch.empty(programs, dtype=torch.int32, device=device))
 
 
 def diff_extract_launch(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int, mask: int,
-                        scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                        chunk_start: torch.Tensor, chunk: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                        capacity: int) -> torch.Tensor:
-    """Both passes; writes ``chunk_start[chunk + 1]`` on device; returns the per-program checksum partials."""
+                        scratch: tuple[torch.Tensor, torch.Tensor], chunk_start: torch.Tensor, chunk: int,
+                        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], capacity: int,
+                        checksum_K: torch.Tensor) -> None:
+    """Both passes of chunk ``chunk``: writes ``chunk_start[chunk + 1]`` and adds the chunk's checksum
+    change to ``checksum_K[chunk]`` (int64, zeroed by the caller), all on device, no host sync."""
     n = old_bits_N.numel()
     programs = diff_programs(n)
-    s_idx, count_P, checksum_P = scratch
-    _diff_compact_kernel[(programs,)](old_bits_N, new_bits_N, n, s_idx, count_P, BLOCK=DIFF_BLOCK,
-                                      num_warps=DIFF_WARPS)
+    words, count_P = scratch
+    _diff_mask_kernel[(programs,)](old_bits_N, new_bits_N, n, words, count_P, WORDS=DIFF_WORDS,
+                                   num_warps=DIFF_MASK_WARPS)
     inclusive_P = torch.cumsum(count_P[:programs], dim=0, dtype=torch.int64)
-    _diff_gather_kernel[(programs,)](old_bits_N, new_bits_N, s_idx, count_P, inclusive_P, chunk_start, chunk, offset,
-                                     out[0], out[1], out[2], checksum_P, capacity, programs, MASK=mask,
-                                     BLOCK=DIFF_BLOCK, COPY=DIFF_COPY, num_warps=max(1, min(4, DIFF_COPY // 64)))
-    return checksum_P[:programs]
+    _diff_expand_kernel[(programs,)](old_bits_N, new_bits_N, words, count_P, inclusive_P, chunk_start, chunk, offset,
+                                     out[0], out[1], out[2], checksum_K, capacity, programs, MASK=mask,
+                                     WORDS=DIFF_WORDS, num_warps=DIFF_EXPAND_WARPS)
 
 
 # --------------------------------------------------------------------------------------- fused apply
@@ -234,8 +253,11 @@ def _apply_deltas_kernel(idx_C_ptr, val_C_ptr, n_changes: tl.int64, entry_offset
         idx = tl.load(idx_C_ptr + j, mask=live, other=0).to(tl.int64)
         val = tl.load(val_C_ptr + j, mask=live, other=0)
     if j0 < n_changes:  # a launch with no changes (the compile at plan build) touches nothing
-        first = _find_entry(entry_offsets_ptr, j0, n_entries, search_steps)
-        last = _find_entry(entry_offsets_ptr, tl.minimum(j0 + BLOCK, n_changes) - 1, n_entries, search_steps)
+        # the entries of the block's first and last change, in one search (two lanes, one dependent chain)
+        ends = _find_entry(entry_offsets_ptr, j0 + tl.arange(0, 2) * (tl.minimum(j0 + BLOCK, n_changes) - 1 - j0),
+                           n_entries, search_steps)
+        first = tl.min(ends, axis=0)
+        last = tl.max(ends, axis=0)
         row0 = tl.load(entry_tensor_ptr + first) * COLUMNS
         ncols0 = tl.load(layout_ptr + row0 + 1)
         contiguous = (first == last) & (tl.load(layout_ptr + row0 + 9) < 0) & (tl.load(layout_ptr + row0 + 3) == ncols0) \
@@ -331,8 +353,8 @@ def apply_positions_launch(target_bits_N: torch.Tensor, pos_C: torch.Tensor, dif
 
 KERNELS = {
     "checksum": _checksum_kernel,
-    "diff_compact": _diff_compact_kernel,
-    "diff_gather": _diff_gather_kernel,
+    "diff_mask": _diff_mask_kernel,
+    "diff_expand": _diff_expand_kernel,
     "apply_deltas": _apply_deltas_kernel,
     "apply_positions": _apply_positions_kernel,
 }
