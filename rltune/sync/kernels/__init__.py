@@ -165,7 +165,7 @@ class ChangeSink:
         self._checksum_dev = torch.zeros(max_chunks, dtype=torch.int64, device=self.device)
         self._start_host = torch.zeros(max_chunks + 1, dtype=torch.int64, pin_memory=pin)
         self._checksum_host = torch.zeros(max_chunks, dtype=torch.int64, pin_memory=pin)
-        self._scratch: tuple | None = None  # the diff's device scratch (mask words, per-program counts), made once
+        self._scratch: dict[torch.dtype, tuple] = {}  # the diff's device scratch per bits dtype, made once
         self._event = None
         self.keys: list[Any] = []
 
@@ -178,10 +178,10 @@ class ChangeSink:
         else:
             self._start_host.zero_()
 
-    def _diff_scratch(self) -> tuple:
-        if self._scratch is None:
-            self._scratch = _triton().diff_scratch(self.max_chunk_elements, self.device)
-        return self._scratch
+    def _diff_scratch(self, bits_dtype: torch.dtype) -> tuple:
+        if bits_dtype not in self._scratch:
+            self._scratch[bits_dtype] = _triton().diff_scratch(self.max_chunk_elements, bits_dtype, self.device)
+        return self._scratch[bits_dtype]
 
     def append(self, old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int, key: Any) -> None:
         """Record the changes of a chunk holding elements ``[offset, offset + N)`` of the tensor ``key``."""
@@ -207,7 +207,7 @@ class ChangeSink:
             self._checksum_host[k] = change - (1 << 64) if change >= 1 << 63 else change
             return
         _triton().diff_extract_launch(old_bits_N, new_bits_N, offset, _MASK_OF_BITS[old_bits_N.dtype],
-                                      self._diff_scratch(), self._start_dev, k, (self.idx, self.new, self.old),
+                                      self._diff_scratch(old_bits_N.dtype), self._start_dev, k, (self.idx, self.new, self.old),
                                       self.capacity, self._checksum_dev)
 
     def finish(self) -> None:
@@ -247,7 +247,7 @@ def diff_extract(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int
     n = old_bits_N.numel()
     dev = old_bits_N.device
     tk = _triton()
-    scratch = tk.diff_scratch(n, dev)
+    scratch = tk.diff_scratch(n, old_bits_N.dtype, dev)
     out = (torch.empty(n, dtype=torch.int64, device=dev), torch.empty(n, dtype=torch.int32, device=dev),
            torch.empty(n, dtype=torch.int32, device=dev))
     start = torch.zeros(2, dtype=torch.int64, device=dev)
@@ -357,10 +357,12 @@ def layouts_from_index_map(index_map, shapes: dict[str, list[int]]) -> tuple[lis
 class ApplyResult:
     """Per delta entry: running-checksum change (int64 bits, mod 2**64) and changes written; on the device.
 
-    Both rows live in one ``[2, E]`` tensor, so :meth:`to_host` reads them with one copy and one sync.
+    Both rows live in one ``[2, E]`` tensor, so :meth:`to_host` reads them with one copy and one sync
+    (into the plan's pinned buffer on CUDA: an asynchronous copy, then a wait on the stream).
     """
 
     both_2E: torch.Tensor
+    pinned_2E: torch.Tensor | None = None
 
     @property
     def checksum_E(self) -> torch.Tensor:
@@ -372,7 +374,12 @@ class ApplyResult:
 
     def to_host(self) -> tuple[list[int], list[int]]:
         """(checksum changes mod 2**64, changes written) per entry, with one host sync."""
-        sums, written = self.both_2E.tolist()
+        if self.pinned_2E is None:
+            sums, written = self.both_2E.tolist()
+        else:
+            self.pinned_2E.copy_(self.both_2E, non_blocking=True)
+            torch.cuda.current_stream(self.both_2E.device).synchronize()
+            sums, written = self.pinned_2E.tolist()
         return [int(v) & MASK64 for v in sums], [int(v) for v in written]
 
     def checksums(self) -> list[int]:
@@ -417,6 +424,8 @@ class ApplyPlan:
         self.tables = (torch.cat(tables).to(self.device) if tables
                        else torch.zeros(1, dtype=torch.int64, device=self.device))
         self.addresses = torch.tensor([t.data_ptr() for t in self.targets], dtype=torch.int64, device=self.device)
+        # host side of ApplyResult.to_host on CUDA, reused by every apply (read a result before the next apply)
+        self._pinned = torch.zeros(2 * len(layouts), dtype=torch.int64, pin_memory=self.device.type == "cuda")
         if self.triton:
             for width in self.widths:  # compile now, outside any pause
                 for add in (True, False):
@@ -450,7 +459,11 @@ class ApplyPlan:
             for width in self.widths:  # one launch per element width the plan holds (usually one)
                 _triton().apply_deltas_launch(idx_C, val_C, entry_offsets_E1, entry_tensor_E, self.layout_T,
                                               self.tables, self.addresses, both_2E[0], both_2E[1], width, add)
-        return ApplyResult(both_2E)
+        if self.device.type != "cuda":
+            return ApplyResult(both_2E)
+        if self._pinned.numel() < 2 * n_entries:  # more entries than checkpoint tensors (split entries)
+            self._pinned = torch.zeros(2 * n_entries, dtype=torch.int64, pin_memory=True)
+        return ApplyResult(both_2E, self._pinned[:2 * n_entries].view(2, n_entries))
 
 
 def apply_deltas(plan: ApplyPlan, entry_tensor_E: torch.Tensor, entry_offsets_E1: torch.Tensor,

@@ -30,11 +30,11 @@ CHECKSUM_BLOCK = 512
 CHECKSUM_TILES = 32
 CHECKSUM_WARPS = 4
 
-DIFF_WORDS = 128  # 32-bit mask words per diff program: 4096 elements
-DIFF_MASK_WARPS = 4
-DIFF_EXPAND_WARPS = 4
-APPLY_BLOCK = 512
-APPLY_WARPS = 4
+DIFF_ROWS = 64  # 32-element rows per diff program (at most 1024: positions inside a block are int16)
+DIFF_COMPACT_WARPS = 4
+DIFF_COPY = 64
+APPLY_BLOCK = 256
+APPLY_WARPS = 2
 
 # Columns of the per-checkpoint-tensor layout table used by the fused apply kernel.
 LAYOUT_FIELDS = ("target", "ncols", "base", "row_stride", "col_stride", "row_lo", "row_hi", "col_lo", "col_hi",
@@ -96,53 +96,45 @@ def checksum_partials(bits_N: torch.Tensor, offset: int, mask: int) -> torch.Ten
 
 # ------------------------------------------------------------------------------------- diff/extract
 #
-# Two passes per chunk. Pass 1 reads every element of old and new once and writes only a bitmask
-# (one bit per element, 1/16 of a bf16 chunk) and each block's change count; it ranks nothing, so
-# it runs at the read bandwidth. Pass 2 touches the changes only: each program expands its block's
-# mask words lowest set bit first (so positions come out ascending), gathers old and new bits at
-# those positions and writes (index, new, old) at the block's exclusive prefix of the counts.
-
-
-@triton.jit
-def _popcount32(v):
-    # bits set in v (int64 holding an unsigned 32-bit value); SWAR, no libdevice (runs in the interpreter)
-    v = v - ((v >> 1) & 0x55555555)
-    v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
-    v = (v + (v >> 4)) & 0x0F0F0F0F
-    return ((v * 0x01010101) & 0xFFFFFFFF) >> 24
-
-
-@triton.jit
-def _lowest_bit_index(v):
-    # index of the lowest set bit of v (int64, 0 < v < 2^32): the float32 exponent of v & -v
-    low = (v & -v).to(tl.float32)
-    return ((low.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+# Two passes per chunk. Pass 1 reads every element of old and new once; each program ranks its
+# block's changes (a scan along each 32-element row, then over the row counts: short scans, no
+# block-wide one) and compacts their positions and old and new bits into its own scratch region,
+# and writes its count. Pass 2 copies each program's compacted changes to the output at the
+# exclusive prefix of the counts: contiguous reads and writes, no gathers, so it also writes
+# pinned host memory efficiently.
 
 
 @triton.jit(do_not_specialize=["n"])
-def _diff_mask_kernel(old_ptr, new_ptr, n: tl.int64, words_ptr, count_P_ptr, WORDS: tl.constexpr):
+def _diff_compact_kernel(old_ptr, new_ptr, n: tl.int64, s_pos_ptr, s_new_ptr, s_old_ptr, count_P_ptr,
+                         ROWS: tl.constexpr):
     pid = tl.program_id(0)
-    base = pid.to(tl.int64) * (WORDS * 32)
-    word = tl.arange(0, WORDS)
-    bit = tl.arange(0, 32)
-    offs = word[:, None] * 32 + bit[None, :]
-    if n - base >= WORDS * 32:  # a full block: unmasked (vector) loads
-        old = tl.load(old_ptr + base + offs)
-        new = tl.load(new_ptr + base + offs)
+    base = pid.to(tl.int64) * (ROWS * 32)
+    row = tl.arange(0, ROWS)
+    col = tl.arange(0, 32)
+    local = row[:, None] * 32 + col[None, :]  # position inside the block, < 2^15
+    if n - base >= ROWS * 32:  # a full block: unmasked (vector) loads
+        old = tl.load(old_ptr + base + local)
+        new = tl.load(new_ptr + base + local)
     else:
-        valid = offs < n - base
-        old = tl.load(old_ptr + base + offs, mask=valid, other=0)
-        new = tl.load(new_ptr + base + offs, mask=valid, other=0)
+        valid = local < n - base
+        old = tl.load(old_ptr + base + local, mask=valid, other=0)
+        new = tl.load(new_ptr + base + local, mask=valid, other=0)
     changed = (old != new).to(tl.int32)  # padding lanes load 0 on both sides
-    # distinct powers of two: their sum is their OR (bit 31 wraps to the sign, as the mask word wants)
-    tl.store(words_ptr + pid.to(tl.int64) * WORDS + word, tl.sum(changed << bit[None, :], axis=1))
-    tl.store(count_P_ptr + pid, tl.sum(tl.sum(changed, axis=1), axis=0))
+    per_row = tl.sum(changed, axis=1)
+    rank = (tl.cumsum(per_row, axis=0) - per_row)[:, None] + tl.cumsum(changed, axis=1) - changed
+    dst = base + rank
+    hit = changed != 0
+    tl.store(s_pos_ptr + dst, local.to(tl.int16), mask=hit)
+    tl.store(s_new_ptr + dst, new, mask=hit)
+    tl.store(s_old_ptr + dst, old, mask=hit)
+    tl.store(count_P_ptr + pid, tl.sum(per_row, axis=0))
 
 
 @triton.jit(do_not_specialize=["offset", "chunk", "capacity", "programs"])
-def _diff_expand_kernel(old_ptr, new_ptr, words_ptr, count_P_ptr, inclusive_P_ptr, chunk_start_ptr,
-                        chunk: tl.int64, offset: tl.int64, out_idx_ptr, out_new_ptr, out_old_ptr, checksum_K_ptr,
-                        capacity: tl.int64, programs: tl.int64, MASK: tl.constexpr, WORDS: tl.constexpr):
+def _diff_copy_kernel(s_pos_ptr, s_new_ptr, s_old_ptr, count_P_ptr, inclusive_P_ptr, chunk_start_ptr,
+                      chunk: tl.int64, offset: tl.int64, out_idx_ptr, out_new_ptr, out_old_ptr, checksum_K_ptr,
+                      capacity: tl.int64, programs: tl.int64, MASK: tl.constexpr, ROWS: tl.constexpr,
+                      COPY: tl.constexpr):
     # ``start`` is where this chunk begins in the output (written by the previous chunk's pass 2, on
     # device); each program adds its sum (offset + i + 1) * (new - old) to the chunk's checksum change.
     pid = tl.program_id(0)
@@ -150,55 +142,55 @@ def _diff_expand_kernel(old_ptr, new_ptr, words_ptr, count_P_ptr, inclusive_P_pt
     inclusive = tl.load(inclusive_P_ptr + pid)
     start = tl.load(chunk_start_ptr + chunk)
     if count > 0:
-        word = tl.arange(0, WORDS)
-        bits = tl.load(words_ptr + pid.to(tl.int64) * WORDS + word).to(tl.int64) & 0xFFFFFFFF
-        ones = _popcount32(bits)
-        dst = start + inclusive - count + tl.cumsum(ones, axis=0) - ones  # the word's first change
-        first = pid.to(tl.int64) * (WORDS * 32) + word * 32  # the word's first element
-        total = tl.zeros([WORDS], dtype=tl.int64)
-        for _ in range(tl.max(ones, axis=0)):
-            has = bits != 0
-            local = first + _lowest_bit_index(bits)
-            new = tl.load(new_ptr + local, mask=has, other=0).to(tl.int64) & MASK
-            old = tl.load(old_ptr + local, mask=has, other=0).to(tl.int64) & MASK
-            fits = has & (dst < capacity)
-            tl.store(out_idx_ptr + dst, local + offset, mask=fits)
+        dst0 = start + inclusive - count
+        src0 = pid.to(tl.int64) * (ROWS * 32)
+        lane = tl.arange(0, COPY)
+        total = tl.zeros([COPY], dtype=tl.int64)
+        for k in range(0, count, COPY):
+            j = k + lane
+            inside = j < count
+            dst = dst0 + j
+            fits = inside & (dst < capacity)
+            i = src0 + tl.load(s_pos_ptr + src0 + j, mask=inside, other=0).to(tl.int64)
+            new = tl.load(s_new_ptr + src0 + j, mask=inside, other=0).to(tl.int64) & MASK
+            old = tl.load(s_old_ptr + src0 + j, mask=inside, other=0).to(tl.int64) & MASK
+            tl.store(out_idx_ptr + dst, i + offset, mask=fits)
             tl.store(out_new_ptr + dst, new.to(tl.int32), mask=fits)
             tl.store(out_old_ptr + dst, old.to(tl.int32), mask=fits)
-            total += tl.where(has, (offset + local + 1) * (new - old), 0)
-            bits = bits & (bits - 1)  # clear the lowest set bit
-            dst += 1
+            total += tl.where(inside, (offset + i + 1) * (new - old), 0)
         tl.atomic_add(checksum_K_ptr + chunk, tl.sum(total, axis=0))
     if pid == programs - 1:
         tl.store(chunk_start_ptr + chunk + 1, start + inclusive)
 
 
 def diff_programs(n: int) -> int:
-    return max(1, triton.cdiv(n, DIFF_WORDS * 32))
+    return max(1, triton.cdiv(n, DIFF_ROWS * 32))
 
 
-def diff_scratch(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device scratch of a diff over chunks of up to ``n`` elements: mask words and per-program counts."""
-    programs = diff_programs(n)
-    return (torch.empty(programs * DIFF_WORDS, dtype=torch.int32, device=device),
-            torch.empty(programs, dtype=torch.int32, device=device))
+def diff_scratch(n: int, bits_dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
+    """Device scratch of a diff over chunks of up to ``n`` elements of one bits dtype: each program's
+    compacted positions (int16, inside its block) and new and old bits, and the per-program counts."""
+    slots = diff_programs(n) * DIFF_ROWS * 32
+    return (torch.empty(slots, dtype=torch.int16, device=device), torch.empty(slots, dtype=bits_dtype, device=device),
+            torch.empty(slots, dtype=bits_dtype, device=device),
+            torch.empty(diff_programs(n), dtype=torch.int32, device=device))
 
 
 def diff_extract_launch(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int, mask: int,
-                        scratch: tuple[torch.Tensor, torch.Tensor], chunk_start: torch.Tensor, chunk: int,
+                        scratch: tuple[torch.Tensor, ...], chunk_start: torch.Tensor, chunk: int,
                         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], capacity: int,
                         checksum_K: torch.Tensor) -> None:
     """Both passes of chunk ``chunk``: writes ``chunk_start[chunk + 1]`` and adds the chunk's checksum
     change to ``checksum_K[chunk]`` (int64, zeroed by the caller), all on device, no host sync."""
     n = old_bits_N.numel()
     programs = diff_programs(n)
-    words, count_P = scratch
-    _diff_mask_kernel[(programs,)](old_bits_N, new_bits_N, n, words, count_P, WORDS=DIFF_WORDS,
-                                   num_warps=DIFF_MASK_WARPS)
+    s_pos, s_new, s_old, count_P = scratch
+    _diff_compact_kernel[(programs,)](old_bits_N, new_bits_N, n, s_pos, s_new, s_old, count_P, ROWS=DIFF_ROWS,
+                                      num_warps=DIFF_COMPACT_WARPS)
     inclusive_P = torch.cumsum(count_P[:programs], dim=0, dtype=torch.int64)
-    _diff_expand_kernel[(programs,)](old_bits_N, new_bits_N, words, count_P, inclusive_P, chunk_start, chunk, offset,
-                                     out[0], out[1], out[2], checksum_K, capacity, programs, MASK=mask,
-                                     WORDS=DIFF_WORDS, num_warps=DIFF_EXPAND_WARPS)
+    _diff_copy_kernel[(programs,)](s_pos, s_new, s_old, count_P, inclusive_P, chunk_start, chunk, offset,
+                                   out[0], out[1], out[2], checksum_K, capacity, programs, MASK=mask, ROWS=DIFF_ROWS,
+                                   COPY=DIFF_COPY, num_warps=max(1, min(4, DIFF_COPY // 64)))
 
 
 # --------------------------------------------------------------------------------------- fused apply
@@ -353,8 +345,8 @@ def apply_positions_launch(target_bits_N: torch.Tensor, pos_C: torch.Tensor, dif
 
 KERNELS = {
     "checksum": _checksum_kernel,
-    "diff_mask": _diff_mask_kernel,
-    "diff_expand": _diff_expand_kernel,
+    "diff_compact": _diff_compact_kernel,
+    "diff_copy": _diff_copy_kernel,
     "apply_deltas": _apply_deltas_kernel,
     "apply_positions": _apply_positions_kernel,
 }
