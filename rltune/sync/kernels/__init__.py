@@ -374,13 +374,16 @@ class ApplyResult:
 
     def to_host(self) -> tuple[list[int], list[int]]:
         """(checksum changes mod 2**64, changes written) per entry, with one host sync."""
+        host = self.to_numpy()
+        return host[0].view(np.uint64).tolist(), host[1].tolist()
+
+    def to_numpy(self) -> np.ndarray:
+        """The ``[2, E]`` int64 sums as a host array (one copy, one sync); view row 0 as uint64 for mod 2**64."""
         if self.pinned_2E is None:
-            sums, written = self.both_2E.tolist()
-        else:
-            self.pinned_2E.copy_(self.both_2E, non_blocking=True)
-            torch.cuda.current_stream(self.both_2E.device).synchronize()
-            sums, written = self.pinned_2E.tolist()
-        return [int(v) & MASK64 for v in sums], [int(v) for v in written]
+            return self.both_2E.cpu().numpy()
+        self.pinned_2E.copy_(self.both_2E, non_blocking=True)
+        torch.cuda.current_stream(self.both_2E.device).synchronize()
+        return self.pinned_2E.numpy()
 
     def checksums(self) -> list[int]:
         return self.to_host()[0]

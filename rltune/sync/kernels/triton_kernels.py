@@ -18,6 +18,8 @@ Conventions every kernel keeps:
   0.7-2 s in the seed's runs).
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -30,8 +32,8 @@ CHECKSUM_BLOCK = 512
 CHECKSUM_TILES = 32
 CHECKSUM_WARPS = 4
 
-DIFF_ROWS = 64  # 32-element rows per diff program (at most 1024: positions inside a block are int16)
-DIFF_COMPACT_WARPS = 4
+DIFF_ROWS = 64  # 32-element rows per diff program (at most 2048: positions in a block take 16 bits)
+DIFF_COMPACT_WARPS = 2
 DIFF_COPY = 64
 APPLY_BLOCK = 256
 APPLY_WARPS = 2
@@ -96,17 +98,31 @@ def checksum_partials(bits_N: torch.Tensor, offset: int, mask: int) -> torch.Ten
 
 # ------------------------------------------------------------------------------------- diff/extract
 #
-# Two passes per chunk. Pass 1 reads every element of old and new once; each program ranks its
-# block's changes (a scan along each 32-element row, then over the row counts: short scans, no
-# block-wide one) and compacts their positions and old and new bits into its own scratch region,
-# and writes its count. Pass 2 copies each program's compacted changes to the output at the
-# exclusive prefix of the counts: contiguous reads and writes, no gathers, so it also writes
-# pinned host memory efficiently.
+# Two passes per chunk. Pass 1 reads every element of old and new once. Each program views its
+# block as rows of 32 elements, packs each row's change flags into a 32-bit word, ranks every
+# change by popcounts (the words before it in the block, then the lower bits of its own word) and
+# stores it compactly in its own scratch region: position in the block, new and old bits packed in
+# one int64 (so one store per change, not three). Pass 2 copies each program's compacted changes
+# to the output at the exclusive prefix of the counts: contiguous reads and writes, which also
+# suit writes to pinned host memory.
+
+
+@triton.jit
+def _popcount(x, ASM: tl.constexpr):
+    # bits set in each int32 of x: the hardware popc on a GPU, SWAR arithmetic in the interpreter
+    if ASM:
+        return tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        v = x.to(tl.int64) & 0xFFFFFFFF
+        v = v - ((v >> 1) & 0x55555555)
+        v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+        v = (v + (v >> 4)) & 0x0F0F0F0F
+        return (((v * 0x01010101) & 0xFFFFFFFF) >> 24).to(tl.int32)
 
 
 @triton.jit(do_not_specialize=["n"])
-def _diff_compact_kernel(old_ptr, new_ptr, n: tl.int64, s_pos_ptr, s_new_ptr, s_old_ptr, count_P_ptr,
-                         ROWS: tl.constexpr):
+def _diff_compact_kernel(old_ptr, new_ptr, n: tl.int64, s_packed_ptr, s_old_ptr, count_P_ptr, MASK: tl.constexpr,
+                         ROWS: tl.constexpr, ASM: tl.constexpr):
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * (ROWS * 32)
     row = tl.arange(0, ROWS)
@@ -120,21 +136,26 @@ def _diff_compact_kernel(old_ptr, new_ptr, n: tl.int64, s_pos_ptr, s_new_ptr, s_
         old = tl.load(old_ptr + base + local, mask=valid, other=0)
         new = tl.load(new_ptr + base + local, mask=valid, other=0)
     changed = (old != new).to(tl.int32)  # padding lanes load 0 on both sides
-    per_row = tl.sum(changed, axis=1)
-    rank = (tl.cumsum(per_row, axis=0) - per_row)[:, None] + tl.cumsum(changed, axis=1) - changed
-    dst = base + rank
+    # distinct powers of two: their sum is their OR (bit 31 wraps to the sign, as a 32-bit word should)
+    word = tl.sum(changed << col[None, :], axis=1)
+    per_row = _popcount(word, ASM)
+    below = (1 << col[None, :]) - 1  # bits of the lanes left of each lane in its row
+    rank = (tl.cumsum(per_row, axis=0) - per_row)[:, None] + _popcount(word[:, None] & below, ASM)
     hit = changed != 0
-    tl.store(s_pos_ptr + dst, local.to(tl.int16), mask=hit)
-    tl.store(s_new_ptr + dst, new, mask=hit)
-    tl.store(s_old_ptr + dst, old, mask=hit)
+    u_new = new.to(tl.int64) & MASK
+    u_old = old.to(tl.int64) & MASK
+    if MASK <= 0xFFFF:  # position | new << 16 | old << 32
+        tl.store(s_packed_ptr + base + rank, local.to(tl.int64) | (u_new << 16) | (u_old << 32), mask=hit)
+    else:  # 32-bit wire: position | new << 16, old alone
+        tl.store(s_packed_ptr + base + rank, local.to(tl.int64) | (u_new << 16), mask=hit)
+        tl.store(s_old_ptr + base + rank, old, mask=hit)
     tl.store(count_P_ptr + pid, tl.sum(per_row, axis=0))
 
 
 @triton.jit(do_not_specialize=["offset", "chunk", "capacity", "programs"])
-def _diff_copy_kernel(s_pos_ptr, s_new_ptr, s_old_ptr, count_P_ptr, inclusive_P_ptr, chunk_start_ptr,
-                      chunk: tl.int64, offset: tl.int64, out_idx_ptr, out_new_ptr, out_old_ptr, checksum_K_ptr,
-                      capacity: tl.int64, programs: tl.int64, MASK: tl.constexpr, ROWS: tl.constexpr,
-                      COPY: tl.constexpr):
+def _diff_copy_kernel(s_packed_ptr, s_old_ptr, count_P_ptr, inclusive_P_ptr, chunk_start_ptr, chunk: tl.int64,
+                      offset: tl.int64, out_idx_ptr, out_new_ptr, out_old_ptr, checksum_K_ptr, capacity: tl.int64,
+                      programs: tl.int64, MASK: tl.constexpr, ROWS: tl.constexpr, COPY: tl.constexpr):
     # ``start`` is where this chunk begins in the output (written by the previous chunk's pass 2, on
     # device); each program adds its sum (offset + i + 1) * (new - old) to the chunk's checksum change.
     pid = tl.program_id(0)
@@ -151,9 +172,13 @@ def _diff_copy_kernel(s_pos_ptr, s_new_ptr, s_old_ptr, count_P_ptr, inclusive_P_
             inside = j < count
             dst = dst0 + j
             fits = inside & (dst < capacity)
-            i = src0 + tl.load(s_pos_ptr + src0 + j, mask=inside, other=0).to(tl.int64)
-            new = tl.load(s_new_ptr + src0 + j, mask=inside, other=0).to(tl.int64) & MASK
-            old = tl.load(s_old_ptr + src0 + j, mask=inside, other=0).to(tl.int64) & MASK
+            packed = tl.load(s_packed_ptr + src0 + j, mask=inside, other=0)
+            i = src0 + (packed & 0xFFFF)
+            new = (packed >> 16) & MASK
+            if MASK <= 0xFFFF:
+                old = (packed >> 32) & MASK
+            else:
+                old = tl.load(s_old_ptr + src0 + j, mask=inside, other=0).to(tl.int64) & MASK
             tl.store(out_idx_ptr + dst, i + offset, mask=fits)
             tl.store(out_new_ptr + dst, new.to(tl.int32), mask=fits)
             tl.store(out_old_ptr + dst, old.to(tl.int32), mask=fits)
@@ -169,11 +194,17 @@ def diff_programs(n: int) -> int:
 
 def diff_scratch(n: int, bits_dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
     """Device scratch of a diff over chunks of up to ``n`` elements of one bits dtype: each program's
-    compacted positions (int16, inside its block) and new and old bits, and the per-program counts."""
+    compacted changes (int64: position in its block | new << 16 [| old << 32]; old bits apart for a
+    32-bit wire) and the per-program counts. 8 bytes per element (12 for a 32-bit wire)."""
     slots = diff_programs(n) * DIFF_ROWS * 32
-    return (torch.empty(slots, dtype=torch.int16, device=device), torch.empty(slots, dtype=bits_dtype, device=device),
-            torch.empty(slots, dtype=bits_dtype, device=device),
+    wide = bits_dtype == torch.int32
+    return (torch.empty(slots, dtype=torch.int64, device=device),
+            torch.empty(slots if wide else 1, dtype=torch.int32, device=device),
             torch.empty(diff_programs(n), dtype=torch.int32, device=device))
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def diff_extract_launch(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int, mask: int,
@@ -184,13 +215,13 @@ def diff_extract_launch(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offs
     change to ``checksum_K[chunk]`` (int64, zeroed by the caller), all on device, no host sync."""
     n = old_bits_N.numel()
     programs = diff_programs(n)
-    s_pos, s_new, s_old, count_P = scratch
-    _diff_compact_kernel[(programs,)](old_bits_N, new_bits_N, n, s_pos, s_new, s_old, count_P, ROWS=DIFF_ROWS,
-                                      num_warps=DIFF_COMPACT_WARPS)
+    s_packed, s_old, count_P = scratch
+    _diff_compact_kernel[(programs,)](old_bits_N, new_bits_N, n, s_packed, s_old, count_P, MASK=mask, ROWS=DIFF_ROWS,
+                                      ASM=not _interpreted(), num_warps=DIFF_COMPACT_WARPS)
     inclusive_P = torch.cumsum(count_P[:programs], dim=0, dtype=torch.int64)
-    _diff_copy_kernel[(programs,)](s_pos, s_new, s_old, count_P, inclusive_P, chunk_start, chunk, offset,
-                                   out[0], out[1], out[2], checksum_K, capacity, programs, MASK=mask, ROWS=DIFF_ROWS,
-                                   COPY=DIFF_COPY, num_warps=max(1, min(4, DIFF_COPY // 64)))
+    _diff_copy_kernel[(programs,)](s_packed, s_old, count_P, inclusive_P, chunk_start, chunk, offset, out[0], out[1],
+                                   out[2], checksum_K, capacity, programs, MASK=mask, ROWS=DIFF_ROWS, COPY=DIFF_COPY,
+                                   num_warps=max(1, min(4, DIFF_COPY // 64)))
 
 
 # --------------------------------------------------------------------------------------- fused apply
