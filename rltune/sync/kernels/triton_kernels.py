@@ -32,9 +32,9 @@ CHECKSUM_BLOCK = 512
 CHECKSUM_TILES = 32
 CHECKSUM_WARPS = 4
 
-DIFF_ROWS = 64  # 32-element rows per diff program (at most 2048: positions in a block take 16 bits)
-DIFF_COMPACT_WARPS = 2
-DIFF_COPY = 64
+DIFF_ROWS = 64  # 32-element rows (one mask word each) per diff program
+DIFF_MASK_WARPS = 4
+DIFF_GATHER_WARPS = 4
 APPLY_BLOCK = 256
 APPLY_WARPS = 2
 
@@ -98,13 +98,12 @@ def checksum_partials(bits_N: torch.Tensor, offset: int, mask: int) -> torch.Ten
 
 # ------------------------------------------------------------------------------------- diff/extract
 #
-# Two passes per chunk. Pass 1 reads every element of old and new once. Each program views its
-# block as rows of 32 elements, packs each row's change flags into a 32-bit word, ranks every
-# change by popcounts (the words before it in the block, then the lower bits of its own word) and
-# stores it compactly in its own scratch region: position in the block, new and old bits packed in
-# one int64 (so one store per change, not three). Pass 2 copies each program's compacted changes
-# to the output at the exclusive prefix of the counts: contiguous reads and writes, which also
-# suit writes to pinned host memory.
+# Two passes per chunk. Pass 1 (dense) reads every element of old and new once and writes only a
+# bitmask, one 32-bit word per row of 32 elements (1/16 of a bf16 chunk), and each program's change
+# count; it ranks and stores no change, so it runs at the read bandwidth. Pass 2 (sparse) ranks each
+# program's changes from its words by popcounts (the words before it, then the lower bits of its
+# own word), loads old and new bits only where a bit is set (masked lanes move no data) and writes
+# (index, new, old) at the exclusive prefix of the counts, in index order.
 
 
 @triton.jit
@@ -121,13 +120,12 @@ def _popcount(x, ASM: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["n"])
-def _diff_compact_kernel(old_ptr, new_ptr, n: tl.int64, s_packed_ptr, s_old_ptr, count_P_ptr, MASK: tl.constexpr,
-                         ROWS: tl.constexpr, ASM: tl.constexpr):
+def _diff_mask_kernel(old_ptr, new_ptr, n: tl.int64, words_ptr, count_P_ptr, ROWS: tl.constexpr):
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * (ROWS * 32)
     row = tl.arange(0, ROWS)
     col = tl.arange(0, 32)
-    local = row[:, None] * 32 + col[None, :]  # position inside the block, < 2^15
+    local = row[:, None] * 32 + col[None, :]
     if n - base >= ROWS * 32:  # a full block: unmasked (vector) loads
         old = tl.load(old_ptr + base + local)
         new = tl.load(new_ptr + base + local)
@@ -137,25 +135,15 @@ def _diff_compact_kernel(old_ptr, new_ptr, n: tl.int64, s_packed_ptr, s_old_ptr,
         new = tl.load(new_ptr + base + local, mask=valid, other=0)
     changed = (old != new).to(tl.int32)  # padding lanes load 0 on both sides
     # distinct powers of two: their sum is their OR (bit 31 wraps to the sign, as a 32-bit word should)
-    word = tl.sum(changed << col[None, :], axis=1)
-    per_row = _popcount(word, ASM)
-    below = (1 << col[None, :]) - 1  # bits of the lanes left of each lane in its row
-    rank = (tl.cumsum(per_row, axis=0) - per_row)[:, None] + _popcount(word[:, None] & below, ASM)
-    hit = changed != 0
-    u_new = new.to(tl.int64) & MASK
-    u_old = old.to(tl.int64) & MASK
-    if MASK <= 0xFFFF:  # position | new << 16 | old << 32
-        tl.store(s_packed_ptr + base + rank, local.to(tl.int64) | (u_new << 16) | (u_old << 32), mask=hit)
-    else:  # 32-bit wire: position | new << 16, old alone
-        tl.store(s_packed_ptr + base + rank, local.to(tl.int64) | (u_new << 16), mask=hit)
-        tl.store(s_old_ptr + base + rank, old, mask=hit)
-    tl.store(count_P_ptr + pid, tl.sum(per_row, axis=0))
+    tl.store(words_ptr + pid.to(tl.int64) * ROWS + row, tl.sum(changed << col[None, :], axis=1))
+    tl.store(count_P_ptr + pid, tl.sum(tl.sum(changed, axis=1), axis=0))
 
 
 @triton.jit(do_not_specialize=["offset", "chunk", "capacity", "programs"])
-def _diff_copy_kernel(s_packed_ptr, s_old_ptr, count_P_ptr, inclusive_P_ptr, chunk_start_ptr, chunk: tl.int64,
-                      offset: tl.int64, out_idx_ptr, out_new_ptr, out_old_ptr, checksum_K_ptr, capacity: tl.int64,
-                      programs: tl.int64, MASK: tl.constexpr, ROWS: tl.constexpr, COPY: tl.constexpr):
+def _diff_gather_kernel(old_ptr, new_ptr, words_ptr, count_P_ptr, inclusive_P_ptr, chunk_start_ptr,
+                        chunk: tl.int64, offset: tl.int64, out_idx_ptr, out_new_ptr, out_old_ptr, checksum_K_ptr,
+                        capacity: tl.int64, programs: tl.int64, MASK: tl.constexpr, ROWS: tl.constexpr,
+                        ASM: tl.constexpr):
     # ``start`` is where this chunk begins in the output (written by the previous chunk's pass 2, on
     # device); each program adds its sum (offset + i + 1) * (new - old) to the chunk's checksum change.
     pid = tl.program_id(0)
@@ -163,27 +151,23 @@ def _diff_copy_kernel(s_packed_ptr, s_old_ptr, count_P_ptr, inclusive_P_ptr, chu
     inclusive = tl.load(inclusive_P_ptr + pid)
     start = tl.load(chunk_start_ptr + chunk)
     if count > 0:
-        dst0 = start + inclusive - count
-        src0 = pid.to(tl.int64) * (ROWS * 32)
-        lane = tl.arange(0, COPY)
-        total = tl.zeros([COPY], dtype=tl.int64)
-        for k in range(0, count, COPY):
-            j = k + lane
-            inside = j < count
-            dst = dst0 + j
-            fits = inside & (dst < capacity)
-            packed = tl.load(s_packed_ptr + src0 + j, mask=inside, other=0)
-            i = src0 + (packed & 0xFFFF)
-            new = (packed >> 16) & MASK
-            if MASK <= 0xFFFF:
-                old = (packed >> 32) & MASK
-            else:
-                old = tl.load(s_old_ptr + src0 + j, mask=inside, other=0).to(tl.int64) & MASK
-            tl.store(out_idx_ptr + dst, i + offset, mask=fits)
-            tl.store(out_new_ptr + dst, new.to(tl.int32), mask=fits)
-            tl.store(out_old_ptr + dst, old.to(tl.int32), mask=fits)
-            total += tl.where(inside, (offset + i + 1) * (new - old), 0)
-        tl.atomic_add(checksum_K_ptr + chunk, tl.sum(total, axis=0))
+        row = tl.arange(0, ROWS)
+        col = tl.arange(0, 32)
+        word = tl.load(words_ptr + pid.to(tl.int64) * ROWS + row)
+        per_row = _popcount(word, ASM)
+        below = (1 << col[None, :]) - 1  # bits of the lanes left of each lane in its row
+        rank = (tl.cumsum(per_row, axis=0) - per_row)[:, None] + _popcount(word[:, None] & below, ASM)
+        hit = ((word[:, None] >> col[None, :]) & 1) != 0
+        i = pid.to(tl.int64) * (ROWS * 32) + row[:, None] * 32 + col[None, :]
+        new = tl.load(new_ptr + i, mask=hit, other=0).to(tl.int64) & MASK
+        old = tl.load(old_ptr + i, mask=hit, other=0).to(tl.int64) & MASK
+        dst = start + inclusive - count + rank
+        fits = hit & (dst < capacity)
+        tl.store(out_idx_ptr + dst, i + offset, mask=fits)
+        tl.store(out_new_ptr + dst, new.to(tl.int32), mask=fits)
+        tl.store(out_old_ptr + dst, old.to(tl.int32), mask=fits)
+        change = tl.sum(tl.sum(tl.where(hit, (offset + i + 1) * (new - old), 0), axis=1), axis=0)
+        tl.atomic_add(checksum_K_ptr + chunk, change)
     if pid == programs - 1:
         tl.store(chunk_start_ptr + chunk + 1, start + inclusive)
 
@@ -192,15 +176,12 @@ def diff_programs(n: int) -> int:
     return max(1, triton.cdiv(n, DIFF_ROWS * 32))
 
 
-def diff_scratch(n: int, bits_dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
-    """Device scratch of a diff over chunks of up to ``n`` elements of one bits dtype: each program's
-    compacted changes (int64: position in its block | new << 16 [| old << 32]; old bits apart for a
-    32-bit wire) and the per-program counts. 8 bytes per element (12 for a 32-bit wire)."""
-    slots = diff_programs(n) * DIFF_ROWS * 32
-    wide = bits_dtype == torch.int32
-    return (torch.empty(slots, dtype=torch.int64, device=device),
-            torch.empty(slots if wide else 1, dtype=torch.int32, device=device),
-            torch.empty(diff_programs(n), dtype=torch.int32, device=device))
+def diff_scratch(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device scratch of a diff over chunks of up to ``n`` elements: the mask words (4 bytes per 32
+    elements) and the per-program counts."""
+    programs = diff_programs(n)
+    return (torch.empty(programs * DIFF_ROWS, dtype=torch.int32, device=device),
+            torch.empty(programs, dtype=torch.int32, device=device))
 
 
 def _interpreted() -> bool:
@@ -208,20 +189,20 @@ def _interpreted() -> bool:
 
 
 def diff_extract_launch(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int, mask: int,
-                        scratch: tuple[torch.Tensor, ...], chunk_start: torch.Tensor, chunk: int,
+                        scratch: tuple[torch.Tensor, torch.Tensor], chunk_start: torch.Tensor, chunk: int,
                         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], capacity: int,
                         checksum_K: torch.Tensor) -> None:
     """Both passes of chunk ``chunk``: writes ``chunk_start[chunk + 1]`` and adds the chunk's checksum
     change to ``checksum_K[chunk]`` (int64, zeroed by the caller), all on device, no host sync."""
     n = old_bits_N.numel()
     programs = diff_programs(n)
-    s_packed, s_old, count_P = scratch
-    _diff_compact_kernel[(programs,)](old_bits_N, new_bits_N, n, s_packed, s_old, count_P, MASK=mask, ROWS=DIFF_ROWS,
-                                      ASM=not _interpreted(), num_warps=DIFF_COMPACT_WARPS)
+    words, count_P = scratch
+    _diff_mask_kernel[(programs,)](old_bits_N, new_bits_N, n, words, count_P, ROWS=DIFF_ROWS,
+                                   num_warps=DIFF_MASK_WARPS)
     inclusive_P = torch.cumsum(count_P[:programs], dim=0, dtype=torch.int64)
-    _diff_copy_kernel[(programs,)](s_packed, s_old, count_P, inclusive_P, chunk_start, chunk, offset, out[0], out[1],
-                                   out[2], checksum_K, capacity, programs, MASK=mask, ROWS=DIFF_ROWS, COPY=DIFF_COPY,
-                                   num_warps=max(1, min(4, DIFF_COPY // 64)))
+    _diff_gather_kernel[(programs,)](old_bits_N, new_bits_N, words, count_P, inclusive_P, chunk_start, chunk, offset,
+                                     out[0], out[1], out[2], checksum_K, capacity, programs, MASK=mask,
+                                     ROWS=DIFF_ROWS, ASM=not _interpreted(), num_warps=DIFF_GATHER_WARPS)
 
 
 # --------------------------------------------------------------------------------------- fused apply
@@ -376,8 +357,8 @@ def apply_positions_launch(target_bits_N: torch.Tensor, pos_C: torch.Tensor, dif
 
 KERNELS = {
     "checksum": _checksum_kernel,
-    "diff_compact": _diff_compact_kernel,
-    "diff_copy": _diff_copy_kernel,
+    "diff_mask": _diff_mask_kernel,
+    "diff_gather": _diff_gather_kernel,
     "apply_deltas": _apply_deltas_kernel,
     "apply_positions": _apply_positions_kernel,
 }
