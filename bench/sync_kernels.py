@@ -147,7 +147,7 @@ def bench_diff(dev, timer, total, chunk, fractions) -> list[dict]:
         row = dict(fraction=fraction, elements=total, chunk=chunk, nonzero=with_rate(baseline, total * 4))
         if dev.type == "cuda":
             n = min(chunk, total)
-            scratch = tk.diff_scratch(n, dev)
+            scratch = tk.diff_scratch(n, False, dev)
             cap = int(total * fraction * 1.2) + 1024
             outs = (torch.empty(cap, dtype=torch.int64, device=dev), torch.empty(cap, dtype=torch.int32, device=dev),
                     torch.empty(cap, dtype=torch.int32, device=dev))
@@ -233,8 +233,9 @@ def bench_step(dev, timer, total, tensors, chunk) -> dict:
 
 CHECKSUM_CONFIGS = ((512, 16, 4), (1024, 8, 4), (1024, 4, 4), (2048, 4, 8), (1024, 16, 8), (2048, 8, 8),
                     (512, 32, 4), (4096, 4, 8))
-# diff: (32-element rows per program, warps of the mask pass, warps of the gather pass)
-DIFF_CONFIGS = ((64, 4, 4), (64, 2, 2), (64, 4, 2), (128, 4, 4), (128, 8, 4), (32, 2, 2), (32, 4, 1), (256, 8, 8))
+# diff: (32-element rows per program, warps of the compact pass, changes per copy iteration)
+DIFF_CONFIGS = ((64, 2, 64), (64, 4, 64), (128, 4, 64), (64, 2, 128), (128, 4, 128), (32, 2, 64), (32, 1, 64),
+                (128, 2, 64))
 APPLY_CONFIGS = ((1024, 4), (512, 4), (1024, 8), (2048, 8), (4096, 8), (256, 2))
 
 
@@ -259,23 +260,23 @@ def bench_tune(dev, timer, total, tensors) -> dict:
             torch.empty(cap, dtype=torch.int32, device=dev))
     starts = torch.zeros(-(-total // chunk) + 1, dtype=torch.int64, device=dev)
     sums = torch.zeros(-(-total // chunk), dtype=torch.int64, device=dev)
-    for rows, mask_warps, gather_warps in DIFF_CONFIGS:
-        tk.DIFF_ROWS, tk.DIFF_MASK_WARPS, tk.DIFF_GATHER_WARPS = rows, mask_warps, gather_warps
+    for rows, warps, copy in DIFF_CONFIGS:
+        tk.DIFF_ROWS, tk.DIFF_COMPACT_WARPS, tk.DIFF_COPY = rows, warps, copy
         programs = tk.diff_programs(chunk)
-        scratch = tk.diff_scratch(chunk, dev)
+        scratch = tk.diff_scratch(chunk, False, dev)
 
         def both(scratch=scratch):
             for k, a in enumerate(range(0, total, chunk)):
                 tk.diff_extract_launch(bits[a:a + chunk], new[a:a + chunk], a, 0xFFFF, scratch, starts, k, outs, cap,
                                        sums)
 
-        def mask_only(scratch=scratch, programs=programs):
+        def compact_only(scratch=scratch, programs=programs):
             for a in range(0, total, chunk):
-                tk._diff_mask_kernel[(programs,)](bits[a:a + chunk], new[a:a + chunk], chunk, *scratch,
-                                                  ROWS=tk.DIFF_ROWS, num_warps=tk.DIFF_MASK_WARPS)
+                tk._diff_compact_kernel[(programs,)](bits[a:a + chunk], new[a:a + chunk], chunk, *scratch, WIDE=False,
+                                                    ROWS=tk.DIFF_ROWS, ASM=True, num_warps=tk.DIFF_COMPACT_WARPS)
 
-        out["diff"][f"{rows}w{mask_warps}g{gather_warps}"] = dict(both_ms=timer(both)["median_ms"],
-                                                                  mask_only_ms=timer(mask_only)["median_ms"])
+        out["diff"][f"{rows}w{warps}c{copy}"] = dict(both_ms=timer(both)["median_ms"],
+                                                     compact_only_ms=timer(compact_only)["median_ms"])
     per = total // tensors
     params = list(bits.view(tensors, per).unbind(0))
     plan = K.ApplyPlan(params, [K.strided_layout(t, [per]) for t in range(tensors)])
@@ -299,10 +300,10 @@ def set_launch_config(best: dict) -> dict:
     if "checksum" in best:
         tk.CHECKSUM_BLOCK, tk.CHECKSUM_TILES, tk.CHECKSUM_WARPS = map(int, re.findall(r"\d+", best["checksum"]))
     if "diff" in best:
-        tk.DIFF_ROWS, tk.DIFF_MASK_WARPS, tk.DIFF_GATHER_WARPS = map(int, re.findall(r"\d+", best["diff"]))
+        tk.DIFF_ROWS, tk.DIFF_COMPACT_WARPS, tk.DIFF_COPY = map(int, re.findall(r"\d+", best["diff"]))
     if "apply" in best:
         tk.APPLY_BLOCK, tk.APPLY_WARPS = map(int, re.findall(r"\d+", best["apply"]))
-    return dict(checksum=[tk.CHECKSUM_BLOCK, tk.CHECKSUM_TILES, tk.CHECKSUM_WARPS], diff=[tk.DIFF_ROWS, tk.DIFF_MASK_WARPS, tk.DIFF_GATHER_WARPS],
+    return dict(checksum=[tk.CHECKSUM_BLOCK, tk.CHECKSUM_TILES, tk.CHECKSUM_WARPS], diff=[tk.DIFF_ROWS, tk.DIFF_COMPACT_WARPS, tk.DIFF_COPY],
                 apply=[tk.APPLY_BLOCK, tk.APPLY_WARPS])
 
 
