@@ -147,7 +147,7 @@ def bench_diff(dev, timer, total, chunk, fractions) -> list[dict]:
         row = dict(fraction=fraction, elements=total, chunk=chunk, nonzero=with_rate(baseline, total * 4))
         if dev.type == "cuda":
             n = min(chunk, total)
-            scratch = tk.diff_scratch(n, False, dev)
+            scratch = tk.diff_scratch(n, dev)
             cap = int(total * fraction * 1.2) + 1024
             outs = (torch.empty(cap, dtype=torch.int64, device=dev), torch.empty(cap, dtype=torch.int32, device=dev),
                     torch.empty(cap, dtype=torch.int32, device=dev))
@@ -233,9 +233,9 @@ def bench_step(dev, timer, total, tensors, chunk) -> dict:
 
 CHECKSUM_CONFIGS = ((512, 16, 4), (1024, 8, 4), (1024, 4, 4), (2048, 4, 8), (1024, 16, 8), (2048, 8, 8),
                     (512, 32, 4), (4096, 4, 8))
-# diff: (32-element rows per program, warps of the compact pass, changes per copy iteration)
-DIFF_CONFIGS = ((64, 2, 64), (64, 4, 64), (128, 4, 64), (64, 2, 128), (128, 4, 128), (32, 2, 64), (32, 1, 64),
-                (128, 2, 64))
+# diff: (32-element rows per program, warps of the compact pass, changes per gather iteration)
+DIFF_CONFIGS = ((64, 2, 64), (128, 4, 64), (64, 4, 64), (64, 2, 128), (128, 4, 128), (32, 1, 64), (32, 2, 64),
+                (128, 8, 128))
 APPLY_CONFIGS = ((1024, 4), (512, 4), (1024, 8), (2048, 8), (4096, 8), (256, 2))
 
 
@@ -263,7 +263,7 @@ def bench_tune(dev, timer, total, tensors) -> dict:
     for rows, warps, copy in DIFF_CONFIGS:
         tk.DIFF_ROWS, tk.DIFF_COMPACT_WARPS, tk.DIFF_COPY = rows, warps, copy
         programs = tk.diff_programs(chunk)
-        scratch = tk.diff_scratch(chunk, False, dev)
+        scratch = tk.diff_scratch(chunk, dev)
 
         def both(scratch=scratch):
             for k, a in enumerate(range(0, total, chunk)):
@@ -272,7 +272,7 @@ def bench_tune(dev, timer, total, tensors) -> dict:
 
         def compact_only(scratch=scratch, programs=programs):
             for a in range(0, total, chunk):
-                tk._diff_compact_kernel[(programs,)](bits[a:a + chunk], new[a:a + chunk], chunk, *scratch, WIDE=False,
+                tk._diff_compact_kernel[(programs,)](bits[a:a + chunk], new[a:a + chunk], chunk, *scratch,
                                                     ROWS=tk.DIFF_ROWS, ASM=True, num_warps=tk.DIFF_COMPACT_WARPS)
 
         out["diff"][f"{rows}w{warps}c{copy}"] = dict(both_ms=timer(both)["median_ms"],

@@ -165,7 +165,7 @@ class ChangeSink:
         self._checksum_dev = torch.zeros(max_chunks, dtype=torch.int64, device=self.device)
         self._start_host = torch.zeros(max_chunks + 1, dtype=torch.int64, pin_memory=pin)
         self._checksum_host = torch.zeros(max_chunks, dtype=torch.int64, pin_memory=pin)
-        self._scratch: dict[bool, tuple] = {}  # the diff's device scratch (records, counts), made once per width class
+        self._scratch: tuple | None = None  # the diff's device scratch (positions, per-program counts), made once
         self._event = None
         self.keys: list[Any] = []
 
@@ -178,10 +178,10 @@ class ChangeSink:
         else:
             self._start_host.zero_()
 
-    def _diff_scratch(self, wide: bool) -> tuple:
-        if wide not in self._scratch:
-            self._scratch[wide] = _triton().diff_scratch(self.max_chunk_elements, wide, self.device)
-        return self._scratch[wide]
+    def _diff_scratch(self) -> tuple:
+        if self._scratch is None:
+            self._scratch = _triton().diff_scratch(self.max_chunk_elements, self.device)
+        return self._scratch
 
     def append(self, old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int, key: Any) -> None:
         """Record the changes of a chunk holding elements ``[offset, offset + N)`` of the tensor ``key``."""
@@ -207,7 +207,7 @@ class ChangeSink:
             self._checksum_host[k] = change - (1 << 64) if change >= 1 << 63 else change
             return
         _triton().diff_extract_launch(old_bits_N, new_bits_N, offset, _MASK_OF_BITS[old_bits_N.dtype],
-                                      self._diff_scratch(old_bits_N.dtype == torch.int32), self._start_dev, k, (self.idx, self.new, self.old),
+                                      self._diff_scratch(), self._start_dev, k, (self.idx, self.new, self.old),
                                       self.capacity, self._checksum_dev)
 
     def finish(self) -> None:
@@ -247,7 +247,7 @@ def diff_extract(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int
     n = old_bits_N.numel()
     dev = old_bits_N.device
     tk = _triton()
-    scratch = tk.diff_scratch(n, old_bits_N.dtype == torch.int32, dev)
+    scratch = tk.diff_scratch(n, dev)
     out = (torch.empty(n, dtype=torch.int64, device=dev), torch.empty(n, dtype=torch.int32, device=dev),
            torch.empty(n, dtype=torch.int32, device=dev))
     start = torch.zeros(2, dtype=torch.int64, device=dev)

@@ -99,14 +99,14 @@ def checksum_partials(bits_N: torch.Tensor, offset: int, mask: int) -> torch.Ten
 # ------------------------------------------------------------------------------------- diff/extract
 #
 # Two passes per chunk. Pass 1 reads every element of old and new once. Each program views its
-# block as rows of 32 elements, packs each row's change flags into a 32-bit word and ranks every
-# change by popcounts (the words before it in the block, then the lower bits of its own word); it
-# stores each change in its own scratch region as ONE record, (position in the block, new | old << 16)
-# for wires of up to 16 bits, (position, new, old, 0) for 32-bit wires: one vector store per change,
-# since separate stores per field each cost a partial-sector write. Per-element work is kept to a
-# few 32-bit operations; the pass runs near the read bandwidth. Pass 2 copies each program's
-# records to the output at the exclusive prefix of the counts: contiguous reads and writes, which
-# also suit pinned host memory.
+# block as rows of 32 elements, packs each row's change flags into a 32-bit word, ranks every
+# change by popcounts (the words before it in the block, then the lower bits of its own word) and
+# stores only its position in the block (int16) in the program's scratch region, plus its count.
+# Per element that is a compare and a few 32-bit operations, and one 2-byte store per change
+# (measured on the H200: storing old and new bits here too, as separate fields or packed, cost
+# more than pass 2's gathers). Pass 2 reads each program's positions, gathers old and new bits
+# there and writes (index, new, old) at the exclusive prefix of the counts: contiguous writes,
+# which also suit pinned host memory.
 
 
 @triton.jit
@@ -123,13 +123,13 @@ def _popcount(x, ASM: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["n"])
-def _diff_compact_kernel(old_ptr, new_ptr, n: tl.int64, records_ptr, count_P_ptr, WIDE: tl.constexpr,
-                         ROWS: tl.constexpr, ASM: tl.constexpr):
+def _diff_compact_kernel(old_ptr, new_ptr, n: tl.int64, s_pos_ptr, count_P_ptr, ROWS: tl.constexpr,
+                         ASM: tl.constexpr):
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * (ROWS * 32)
     row = tl.arange(0, ROWS)
     col = tl.arange(0, 32)
-    local = row[:, None] * 32 + col[None, :]  # position inside the block
+    local = row[:, None] * 32 + col[None, :]  # position inside the block, < 2^15
     if n - base >= ROWS * 32:  # a full block: unmasked (vector) loads
         old = tl.load(old_ptr + base + local)
         new = tl.load(new_ptr + base + local)
@@ -142,26 +142,16 @@ def _diff_compact_kernel(old_ptr, new_ptr, n: tl.int64, records_ptr, count_P_ptr
     word = tl.sum(changed << col[None, :], axis=1)
     per_row = _popcount(word, ASM)
     below = (1 << col[None, :]) - 1  # bits of the lanes left of each lane in its row
-    slot = base + (tl.cumsum(per_row, axis=0) - per_row)[:, None] + _popcount(word[:, None] & below, ASM)
-    hit = changed != 0
-    if WIDE:  # 32-bit wire: (position, new, old, 0)
-        # join adds a minor axis: record[..., i, j] is field i of join j, so field i of join j goes to 2 j + i
-        record = tl.join(tl.join(local, new.to(tl.int32)), tl.join(old.to(tl.int32), tl.zeros_like(local)))
-        field = tl.arange(0, 2)
-        at = slot[:, :, None, None] * 4 + field[None, None, None, :] * 2 + field[None, None, :, None]
-        tl.store(records_ptr + at, record, mask=hit[:, :, None, None])
-    else:  # (position, new | old << 16): the low 16 bits of each, as unsigned wire bits
-        record = tl.join(local, (new.to(tl.int32) & 0xFFFF) | (old.to(tl.int32) << 16))
-        at = slot[:, :, None] * 2 + tl.arange(0, 2)[None, None, :]
-        tl.store(records_ptr + at, record, mask=hit[:, :, None])
+    rank = (tl.cumsum(per_row, axis=0) - per_row)[:, None] + _popcount(word[:, None] & below, ASM)
+    tl.store(s_pos_ptr + base + rank, local.to(tl.int16), mask=changed != 0)
     tl.store(count_P_ptr + pid, tl.sum(per_row, axis=0))
 
 
 @triton.jit(do_not_specialize=["offset", "chunk", "capacity", "programs"])
-def _diff_copy_kernel(records_ptr, count_P_ptr, inclusive_P_ptr, chunk_start_ptr, chunk: tl.int64,
-                      offset: tl.int64, out_idx_ptr, out_new_ptr, out_old_ptr, checksum_K_ptr, capacity: tl.int64,
-                      programs: tl.int64, MASK: tl.constexpr, WIDE: tl.constexpr, ROWS: tl.constexpr,
-                      COPY: tl.constexpr):
+def _diff_gather_kernel(old_ptr, new_ptr, s_pos_ptr, count_P_ptr, inclusive_P_ptr, chunk_start_ptr,
+                        chunk: tl.int64, offset: tl.int64, out_idx_ptr, out_new_ptr, out_old_ptr, checksum_K_ptr,
+                        capacity: tl.int64, programs: tl.int64, MASK: tl.constexpr, ROWS: tl.constexpr,
+                        COPY: tl.constexpr):
     # ``start`` is where this chunk begins in the output (written by the previous chunk's pass 2, on
     # device); each program adds its sum (offset + i + 1) * (new - old) to the chunk's checksum change.
     pid = tl.program_id(0)
@@ -178,17 +168,9 @@ def _diff_copy_kernel(records_ptr, count_P_ptr, inclusive_P_ptr, chunk_start_ptr
             inside = j < count
             dst = dst0 + j
             fits = inside & (dst < capacity)
-            if WIDE:
-                at = (src0 + j) * 4
-                i = src0 + tl.load(records_ptr + at, mask=inside, other=0).to(tl.int64)
-                new = tl.load(records_ptr + at + 1, mask=inside, other=0).to(tl.int64) & MASK
-                old = tl.load(records_ptr + at + 2, mask=inside, other=0).to(tl.int64) & MASK
-            else:
-                at = (src0 + j) * 2
-                i = src0 + tl.load(records_ptr + at, mask=inside, other=0).to(tl.int64)
-                both = tl.load(records_ptr + at + 1, mask=inside, other=0).to(tl.int64)
-                new = both & MASK
-                old = (both >> 16) & MASK
+            i = src0 + tl.load(s_pos_ptr + src0 + j, mask=inside, other=0).to(tl.int64)
+            new = tl.load(new_ptr + i, mask=inside, other=0).to(tl.int64) & MASK
+            old = tl.load(old_ptr + i, mask=inside, other=0).to(tl.int64) & MASK
             tl.store(out_idx_ptr + dst, i + offset, mask=fits)
             tl.store(out_new_ptr + dst, new.to(tl.int32), mask=fits)
             tl.store(out_old_ptr + dst, old.to(tl.int32), mask=fits)
@@ -202,11 +184,11 @@ def diff_programs(n: int) -> int:
     return max(1, triton.cdiv(n, DIFF_ROWS * 32))
 
 
-def diff_scratch(n: int, wide: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device scratch of a diff over chunks of up to ``n`` elements: one record slot per element
-    (int32 x 2, or x 4 for a 32-bit wire: 8 or 16 bytes per element) and the per-program counts."""
+def diff_scratch(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device scratch of a diff over chunks of up to ``n`` elements: each program's compacted
+    positions (int16, 2 bytes per element) and the per-program counts."""
     programs = diff_programs(n)
-    return (torch.empty(programs * DIFF_ROWS * 32 * (4 if wide else 2), dtype=torch.int32, device=device),
+    return (torch.empty(programs * DIFF_ROWS * 32, dtype=torch.int16, device=device),
             torch.empty(programs, dtype=torch.int32, device=device))
 
 
@@ -219,18 +201,16 @@ def diff_extract_launch(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offs
                         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], capacity: int,
                         checksum_K: torch.Tensor) -> None:
     """Both passes of chunk ``chunk``: writes ``chunk_start[chunk + 1]`` and adds the chunk's checksum
-    change to ``checksum_K[chunk]`` (int64, zeroed by the caller), all on device, no host sync.
-    ``scratch`` must come from :func:`diff_scratch` with ``wide`` true for a 32-bit wire."""
+    change to ``checksum_K[chunk]`` (int64, zeroed by the caller), all on device, no host sync."""
     n = old_bits_N.numel()
     programs = diff_programs(n)
-    records, count_P = scratch
-    wide = mask > 0xFFFF
-    _diff_compact_kernel[(programs,)](old_bits_N, new_bits_N, n, records, count_P, WIDE=wide, ROWS=DIFF_ROWS,
+    s_pos, count_P = scratch
+    _diff_compact_kernel[(programs,)](old_bits_N, new_bits_N, n, s_pos, count_P, ROWS=DIFF_ROWS,
                                       ASM=not _interpreted(), num_warps=DIFF_COMPACT_WARPS)
     inclusive_P = torch.cumsum(count_P[:programs], dim=0, dtype=torch.int64)
-    _diff_copy_kernel[(programs,)](records, count_P, inclusive_P, chunk_start, chunk, offset, out[0], out[1], out[2],
-                                   checksum_K, capacity, programs, MASK=mask, WIDE=wide, ROWS=DIFF_ROWS,
-                                   COPY=DIFF_COPY, num_warps=max(1, min(4, DIFF_COPY // 64)))
+    _diff_gather_kernel[(programs,)](old_bits_N, new_bits_N, s_pos, count_P, inclusive_P, chunk_start, chunk, offset,
+                                     out[0], out[1], out[2], checksum_K, capacity, programs, MASK=mask,
+                                     ROWS=DIFF_ROWS, COPY=DIFF_COPY, num_warps=max(1, min(4, DIFF_COPY // 64)))
 
 
 # --------------------------------------------------------------------------------------- fused apply
@@ -386,7 +366,7 @@ def apply_positions_launch(target_bits_N: torch.Tensor, pos_C: torch.Tensor, dif
 KERNELS = {
     "checksum": _checksum_kernel,
     "diff_compact": _diff_compact_kernel,
-    "diff_copy": _diff_copy_kernel,
+    "diff_gather": _diff_gather_kernel,
     "apply_deltas": _apply_deltas_kernel,
     "apply_positions": _apply_positions_kernel,
 }
