@@ -144,6 +144,25 @@ def measure(deltas, repeats: int):
     return blobs, enc_t, dec_t
 
 
+def measure_threads(deltas, repeats: int) -> dict:
+    """One step's tensors encoded as the publisher does (``encode_many``): one thread vs all of them."""
+    jobs = [(idx, diff, 16, 0, numel) for numel, idx, diff in deltas.values()]
+    changes = sum(len(j[0]) for j in jobs)
+    threads = codec.encode_threads()
+    out = dict(threads=threads)
+    for label, n in (("one_thread", 1), ("all_threads", threads)):
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            blobs = codec.encode_many(jobs, threads=n)
+            times.append(time.perf_counter() - t0)
+        out[label] = dict(seconds=stats(times), changes_per_s=stats([changes / t for t in times]))
+    if blobs != [codec.encode(*j) for j in jobs]:
+        raise SystemExit("encode_many differs from encode")
+    out["speedup"] = out["one_thread"]["seconds"]["median"] / out["all_threads"]["seconds"]["median"]
+    return out
+
+
 def stats(xs):
     return dict(min=min(xs), median=statistics.median(xs), max=max(xs))
 
@@ -210,13 +229,15 @@ def main() -> None:
                         zstd_bytes_per_change=z_plain / changes, zstd_shuffled_bytes_per_change=z_shuf / changes,
                         ratio_to_zstd=coded / z_plain, ratio_to_zstd_shuffled=coded / z_shuf,
                         encode_changes_per_s=stats([changes / t for t in enc_t]),
-                        decode_changes_per_s=stats([changes / t for t in dec_t]))
+                        decode_changes_per_s=stats([changes / t for t in dec_t]),
+                        encode_many=measure_threads(deltas, args.repeats))
             cases.append(case)
             print(f"{master} lr={lr:g}: {changes} changes ({frac[-1]:.2%}), codec {case['codec_bytes_per_change']:.3f} "
                   f"B/change, bound {case['bound_bytes_per_change']:.3f} (x{case['ratio_to_bound']:.3f}), zstd "
                   f"{case['zstd_bytes_per_change']:.3f} (x{case['ratio_to_zstd']:.3f}), enc "
                   f"{case['encode_changes_per_s']['median'] / 1e6:.1f} M/s, dec "
-                  f"{case['decode_changes_per_s']['median'] / 1e6:.1f} M/s", file=sys.stderr)
+                  f"{case['decode_changes_per_s']['median'] / 1e6:.1f} M/s; step on {case['encode_many']['threads']} "
+                  f"threads x{case['encode_many']['speedup']:.2f}", file=sys.stderr)
     record = dict(benchmark="sync_codec", config=vars(args), device=args.device, device_name=device_name,
                   versions=versions(), git_sha=git_sha(), time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   cases=cases)

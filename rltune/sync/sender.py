@@ -314,7 +314,7 @@ class DeltaPublisher:
         self._anchor_complete_at_last_publish = store.BroadcastStore(self.root).latest_loadable()
 
     def _delta_part(self, header: dict[str, Any]) -> bytes:
-        entries, blobs, offset = [], [], 0
+        names, jobs = [], []
         for name in self.first_names:
             lo, hi = self.ranges[name]
             if name in self.static_names:
@@ -336,10 +336,14 @@ class DeltaPublisher:
                 idx = torch.cat([p[0] for p in pieces])
                 diff = torch.cat([p[1] for p in pieces])
             bits = wire_width(self._bits(name)) if hi > lo else 16
-            blob = codec.encode(idx.cpu().numpy().astype(np.int64), diff.cpu().numpy(), bits, lo, hi)
+            names.append(name)
+            jobs.append((idx.cpu().numpy().astype(np.int64), diff.cpu().numpy(), bits, lo, hi))
+        # every block of every tensor on the host's cores (the coder releases the GIL)
+        blobs = codec.encode_many(jobs)
+        entries, offset = [], 0
+        for name, (idx, _, _, lo, hi), blob in zip(names, jobs, blobs, strict=True):
             entries.append(dict(name=name, start=lo, stop=hi, offset=offset, length=len(blob),
-                                crc32=fmt.crc32(blob), changes=int(idx.numel())))
-            blobs.append(blob)
+                                crc32=fmt.crc32(blob), changes=int(idx.shape[0])))
             offset += len(blob)
         return fmt.encode_part(dict(header, entries=entries), b"".join(blobs))
 

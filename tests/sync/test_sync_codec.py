@@ -140,3 +140,32 @@ def test_every_single_byte_flip_is_refused_or_changes_the_output():
     # No flip decodes to the original changes: the stream has no ignored bits (padding must be zero).
     # Flips that decode to *other* changes are left to the entry CRC and the tensor checksum.
     assert silent == 0
+
+
+def test_encode_many_gives_encode_bytes_for_every_job_on_any_thread_count(monkeypatch):
+    rng = np.random.default_rng(5)
+    jobs = []
+    for k, numel, bits in ((3, 10, 16), (2 * codec.BLOCK_CHANGES + 17, 10 * codec.BLOCK_CHANGES, 16),
+                           (9000, 12000, 8), (70000, 80000, 32), (1, 1, 16)):
+        idx = np.sort(rng.choice(numel, size=k, replace=False)).astype(np.int64) + 100
+        lim = 1 << (bits - 1)
+        diff = rng.integers(-lim, lim, size=k).astype(np.int64)
+        diff[diff == 0] = 1
+        jobs.append((idx, diff, bits, 100, 100 + numel))
+    want = [codec.encode(*job) for job in jobs]
+    assert codec.decode(want[3], 100, 80100, 32)[0].shape[0] == 70000  # dense-or-sparse, several blocks
+    for threads in (1, 2, 7):
+        assert codec.encode_many(jobs, threads=threads) == want
+    monkeypatch.setenv("RLTUNE_ENCODE_THREADS", "3")
+    assert codec.encode_threads() == 3 and codec.encode_many(jobs) == want
+    assert codec.encode_many([]) == []
+    monkeypatch.setenv("RLTUNE_ENCODE_THREADS", "many")
+    with pytest.raises(ValueError, match="RLTUNE_ENCODE_THREADS"):
+        codec.encode_threads()
+
+
+def test_encode_many_refuses_an_invalid_job_before_encoding_any():
+    good = (np.array([1, 2], np.int64), np.array([1, -1], np.int64), 16, 0, 10)
+    bad = (np.array([2, 1], np.int64), np.array([1, 1], np.int64), 16, 0, 10)
+    with pytest.raises(ValueError, match="ascending"):
+        codec.encode_many([good, bad], threads=2)
