@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -132,6 +133,9 @@ class SyncBenchResult:
 
 
 def git_sha(repo: Path | None = None) -> str | None:
+    """The commit measured: ``RLTUNE_GIT_SHA`` when set (a copy of the tree without .git), else git's."""
+    if os.environ.get("RLTUNE_GIT_SHA"):
+        return os.environ["RLTUNE_GIT_SHA"]
     repo = repo or Path(__file__).resolve().parents[2]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
