@@ -611,13 +611,16 @@ class NcclBroadcast(Transport):
             if all(p.is_alive() for p in self.procs):
                 self._control(_CMD_STOP, -1)
         finally:
+            # Tear down our side before waiting for the engine ranks: with NCCL, an engine's
+            # destroy_process_group waits for rank 0's (on the 2-GPU H200 run, joining first
+            # left the engine waiting until it was terminated after 60 s).
+            dist.destroy_process_group()
             for p in self.procs:
                 p.join(timeout=60)
             for p in self.procs:
                 if p.is_alive():
                     p.terminate()
                     p.join(timeout=10)
-            dist.destroy_process_group()
         failed = [p.exitcode for p in self.procs if p.exitcode not in (0, None)]
         if failed:
             raise TransportError(f"nccl: engine rank processes exited with codes {failed}")
