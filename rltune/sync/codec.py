@@ -400,17 +400,18 @@ def encode_many(jobs: Sequence[tuple[np.ndarray, np.ndarray, int, int, int]], th
     host's cores; the bytes equal ``[encode(*job) for job in jobs]``.
     """
     global _POOL, _POOL_THREADS
-    planned = [_plan_stream(*job, mode=mode) for job in jobs]
-    tasks = [t for _, job_tasks in planned for t in job_tasks]
     threads = encode_threads() if threads is None else max(1, threads)
-    if threads == 1 or len(tasks) < 2:
-        blocks = [_block_bytes(t) for t in tasks]
+    if threads == 1 or len(jobs) < 2 and sum(len(job[0]) for job in jobs) <= BLOCK_CHANGES:
+        planned = [_plan_stream(*job, mode=mode) for job in jobs]
+        blocks = [_block_bytes(t) for _, job_tasks in planned for t in job_tasks]
     else:
         if _POOL is None or _POOL_THREADS != threads:
             if _POOL is not None:
                 _POOL.shutdown(wait=False)
             _POOL, _POOL_THREADS = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rltune-encode"), threads
-        blocks = list(_POOL.map(_block_bytes, tasks))
+        # checks and zigzag per job, then the blocks of all jobs: both on the pool
+        planned = list(_POOL.map(lambda job: _plan_stream(*job, mode=mode), jobs))
+        blocks = list(_POOL.map(_block_bytes, [t for _, job_tasks in planned for t in job_tasks]))
     out, at = [], 0
     for header, job_tasks in planned:
         out.append(_frame(*header, blocks[at:at + len(job_tasks)]))
