@@ -34,8 +34,13 @@ lint: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/rltune auto presets/cpu-demo.yaml --rounds 3 --workdir runs/demo --tuned-dir runs/demo/tuned
 
+# The CPU benchmarks, records under runs/bench (a GPU machine runs bench/gpu_suite.sh instead).
 bench: $(STAMP)
-	$(BIN)/python bench/run_all.py
+	mkdir -p runs/bench
+	$(BIN)/python bench/predict_speed.py --out runs/bench/predict_speed.json
+	$(BIN)/python bench/sync_codec.py --quick --out runs/bench/sync_codec.json
+	TRITON_INTERPRET=1 $(BIN)/python bench/sync_kernels.py --device cpu --tiny --out runs/bench/sync_kernels.json
+	$(BIN)/rltune sync-bench --preset cpu --out runs/bench/sync-bench
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
