@@ -92,17 +92,44 @@ def _rice_cost_bits(gaps, k):
 
 @numba.njit(cache=True, nogil=True)
 def _rice_encode(gaps, k, buf):
-    pos = np.int64(0)
+    # The bits _put_bits would write (LSB first), gathered in a 64-bit accumulator and stored a
+    # byte at a time; each addition is at most 40 bits onto at most 7 pending, so the accumulator
+    # never nears its sign bit.
+    acc = np.int64(0)
+    pending = np.int64(0)
+    out = np.int64(0)
+    low = (np.int64(1) << k) - 1
     for g in gaps:
         q = g >> k
         if q >= RICE_ESCAPE_Q:
-            pos = _put_bits(buf, pos, (np.int64(1) << RICE_ESCAPE_Q) - 1, RICE_ESCAPE_Q)
-            pos = _put_bits(buf, pos, g, RICE_RAW_BITS)
+            acc |= ((np.int64(1) << RICE_ESCAPE_Q) - 1) << pending
+            pending += RICE_ESCAPE_Q
+            while pending >= 8:
+                buf[out] = np.uint8(acc & 0xFF)
+                out += 1
+                acc >>= 8
+                pending -= 8
+            acc |= (g & ((np.int64(1) << RICE_RAW_BITS) - 1)) << pending
+            pending += RICE_RAW_BITS
         else:
-            pos = _put_bits(buf, pos, (np.int64(1) << q) - 1, q)
-            pos += 1  # the terminating zero bit (buffer is zeroed)
-            pos = _put_bits(buf, pos, g & ((np.int64(1) << k) - 1), k)
-    return (pos + 7) >> 3
+            acc |= ((np.int64(1) << q) - 1) << pending  # q ones, then the terminating zero
+            pending += q + 1
+            while pending >= 8:
+                buf[out] = np.uint8(acc & 0xFF)
+                out += 1
+                acc >>= 8
+                pending -= 8
+            acc |= (g & low) << pending  # the k low bits
+            pending += k
+        while pending >= 8:
+            buf[out] = np.uint8(acc & 0xFF)
+            out += 1
+            acc >>= 8
+            pending -= 8
+    if pending > 0:
+        buf[out] = np.uint8(acc & 0xFF)
+        out += 1
+    return out
 
 
 @numba.njit(cache=True, nogil=True)
