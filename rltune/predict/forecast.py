@@ -11,15 +11,20 @@ Three methods, tried in order:
 1. **anchor** -- a measured run of the same job (same identity and RL mode -- or another RL mode
    where a measured pair gives that mode change) with a similar setup.
    Its measured times are adjusted for each differing setting: by the change earlier runs of this
-   job measured (:mod:`rltune.predict.effects`; its step ratio where it was measured from this very
-   setup, else its stage ratios, recombined by the RL-mode rule), else by theory
+   job measured (:mod:`rltune.predict.effects`; its step ratio for an RL-mode change -- with a wide
+   doubt on a CPU-only job when another job measured it -- or for a setting no term reads measured
+   from this very setup, else its stage ratios, recombined by the RL-mode rule), else by theory
    (``theory(changed) / theory(case)``, priced by the prior coefficients where no case ran the new
-   value) if a term reads that setting, else by another job's measured change, else by a measured
+   value -- but for coefficients a measured column of their own pinned) if a term reads that
+   setting, else by another job's measured change, else by a measured
    elasticity of a numeric setting, else not at all -- the
    setting is then *uncertain* and its similarity weight is added to the anchor's uncertainty. An
    anchor whose uncertainty exceeds :data:`ANCHOR_UNCERTAINTY_BUDGET`, or that needs more than
-   :data:`MAX_ANCHOR_ADJUSTMENTS` adjustments, is not used. An identical anchor gives its measured
-   step unchanged; repeats of the best anchor setup are averaged.
+   :data:`MAX_ANCHOR_ADJUSTMENTS` adjustments, is not used. A measured change of a setting that
+   terms read moves only the stages those terms belong to (the rest of the pair's difference is
+   run-to-run noise). An identical anchor gives its measured step unchanged; the qualified anchors
+   are averaged with weights ``score / (1 + uncertainty)`` divided by the variance of each one's
+   estimate (run-to-run noise, its own median's sampling error, its adjustments' spread).
 2. **similar** -- the nearest cases (distance from :mod:`rltune.predict.setup`, score
    ``exp(-d/2)``, weights = scores / their sum); each case's stage time is scaled by
    ``theory(target) / theory(case)`` (and by measured effects for settings theory does not read),
@@ -28,8 +33,9 @@ Three methods, tried in order:
 
 Stage times combine into a step with :func:`rltune.steps.combine` under the target's RL mode; the
 step keeps each case's measured overhead beyond that rule (``step / combine(stages)``). The range
-is ``step x exp(+-z sigma)``, where sigma adds run-to-run noise (from repeated setups), each
-adjustment's spread, and the disagreement between cases; it is widened or narrowed by how well
+is ``step x exp(+-z sigma)``, where sigma adds run-to-run noise (from repeated setups) of the
+target and of the anchors it comes from, each adjustment's spread, and the disagreement between
+cases; it is widened or narrowed by how well
 the ranges stored with earlier cases covered what was then measured.
 """
 
@@ -57,7 +63,17 @@ from rltune.predict.setup import (
     setup_from_case,
     setup_from_job,
 )
-from rltune.predict.theory import STAGES, TheoryModel, device_class, measured_stages, modelled_settings
+from rltune.predict.theory import (
+    STAGES,
+    TheoryModel,
+    device_class,
+    measured_stages,
+    median_error,
+    modelled_settings,
+    pinned_coefficients,
+    stages_reading,
+    with_pinned,
+)
 from rltune.steps import combine
 
 if TYPE_CHECKING:
@@ -186,7 +202,10 @@ class Prepared:
     range_scale: float
     modelled: set[str]
     seen: set[tuple[str, str, str]] = field(default_factory=set)  # (device class, setting, repr(value)) some case ran
-    prior_theory: TheoryModel = field(default_factory=TheoryModel)  # the model before the fit: its priors
+    # the model before the fit, its priors -- but for the coefficients a measured column of their own pinned (see
+    # theory.pinned_coefficients): what prices a value no case ran
+    prior_theory: TheoryModel = field(default_factory=TheoryModel)
+    stages_reading: dict[str, set[str]] = field(default_factory=dict)  # modelled setting -> the stages whose terms read it
     _theory_memo: dict | None = None
 
     def has_seen(self, device: str, name: str, value: Any) -> bool:
@@ -253,7 +272,8 @@ def prepare(cases: Sequence[CaseRecord], theory: TheoryModel | None = None, *, f
         case_theory=model.stages_many(setups) if setups else {s: np.zeros(0) for s in STAGES},
         matrix=_SettingMatrix(setups), range_scale=range_calibration(ok), modelled=modelled_settings(),
         seen={(device_class(s.device), name, repr(value)) for s in setups for name, value in s.settings().items()},
-        prior_theory=theory or TheoryModel(),
+        prior_theory=with_pinned(theory or TheoryModel(), model, pinned_coefficients(ok)) if ok and fit else (theory or TheoryModel()),
+        stages_reading=stages_reading(),
     )
 
 
@@ -261,7 +281,7 @@ _LEARNED_CACHE: dict[str, tuple[TheoryModel, KnobEffects]] = {}
 _FIT_CACHE = _LEARNED_CACHE  # older name, still cleared by callers that want a cold start
 MODEL_CACHE_NAME = "_model.json"
 THEORY_CACHE_NAME = MODEL_CACHE_NAME
-MODEL_CACHE_FORMAT = 5  # bump when the fit or the effects change meaning: old caches are then refit
+MODEL_CACHE_FORMAT = 6  # bump when the fit or the effects change meaning: old caches are then refit
 
 
 def _learned_key(model: TheoryModel, cases: Sequence[CaseRecord], fit: bool) -> str:
@@ -284,7 +304,8 @@ def _learned(model: TheoryModel, cases: Sequence[CaseRecord], setups: Sequence[S
         try:
             stored = json.loads(path.read_text(encoding="utf-8"))
             if stored.get("key") == key:
-                learned = (TheoryModel(stored["coefficients"], stored["fitted_on"]), KnobEffects.from_json(stored["effects"]))
+                learned = (TheoryModel(stored["coefficients"], stored["fitted_on"], stored.get("job_coefficients", {})),
+                           KnobEffects.from_json(stored["effects"]))
                 _LEARNED_CACHE[key] = learned
                 return learned
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -296,7 +317,8 @@ def _learned(model: TheoryModel, cases: Sequence[CaseRecord], setups: Sequence[S
         from rltune.contracts.schema import atomic_write_text
 
         atomic_write_text(path, json.dumps({"format": MODEL_CACHE_FORMAT, "key": key, "coefficients": fitted.coefficients,
-                                            "fitted_on": fitted.fitted_on, "effects": learned[1].to_json()}))
+                                            "fitted_on": fitted.fitted_on, "job_coefficients": fitted.job_coefficients,
+                                            "effects": learned[1].to_json()}))
     return learned
 
 
@@ -371,16 +393,23 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool,
             effect = None
         if effect is not None:
             before = combine(current.rl_mode, *(stages[s] for s in STAGES))[0]
+            touched = p.stages_reading.get(name)
             for s in STAGES:
-                stages[s] = (stages[s] + EPS_S) * math.exp(effect.log_ratio[s]) - EPS_S
-            if name == "rl_mode" or current.key() in effect.contexts:
-                # This setup measured the change on its step directly. An RL-mode change is taken as a step
-                # ratio from any setup: the mode changes what the stage columns mean (overlapped wall time).
+                # A stage no term of a modelled setting reads did not change in the pair but by run-to-run noise
+                # (a faster transport cannot speed up the rollout before it): only the stages it touches move.
+                if touched is None or s in touched:
+                    stages[s] = (stages[s] + EPS_S) * math.exp(effect.log_ratio[s]) - EPS_S
+            if name == "rl_mode" or (touched is None and current.key() in effect.contexts):
+                # This setup measured the change on its step directly (a setting no term reads). An RL-mode change
+                # is taken as a step ratio from any setup: the mode changes what the stage columns mean (overlapped
+                # wall time). Another job's ratio says little of how much a CPU-only job's stages overlap: that
+                # depends on its own mix of work (sandboxes that load every core leave the trainer none to overlap).
                 step = (step + EPS_S) * math.exp(effect.log_ratio["step"]) - EPS_S
+                if name == "rl_mode" and not effect.same_job and current.gpus == 0:
+                    var += RL_MODE_SHARED_DEVICE_SIGMA ** 2
             else:
-                # Measured from other setups (of this job or another), the stage ratios transfer; the step
-                # ratio does not: here the stages weigh differently (a micro-batch change that was 30 % of a
-                # 0.7 s step is 10 % of a concurrency-starved 1.1 s one).
+                # The stage ratios transfer; the step follows the stages as they weigh here (a micro-batch
+                # change that was 30 % of a 0.7 s step is 10 % of a concurrency-starved 1.1 s one).
                 after = combine(current.rl_mode, *(max(stages[s], 0.0) for s in STAGES))[0]
                 step = step * (after / before if before > 0 else 1.0)
             var += effect.spread ** 2
@@ -462,14 +491,20 @@ def _anchor(p: Prepared, target: Setup, distances: np.ndarray) -> _Estimate | No
             break
     if not chosen:
         return None
-    scores = np.asarray([score(q[2]) / (1.0 + q[1]) for q in chosen])
+    noise = p.effects.noise_for(target.identity())
+    # Each anchor's estimate of the target is as good as its own measurement (run-to-run noise plus the
+    # sampling error of its median) and its adjustments: weigh by that precision as well as by similarity.
+    scores = np.asarray([score(q[2]) / (1.0 + q[1]) / max(noise ** 2 + median_error(p.cases[q[3]]) ** 2 + q[6], 1e-8)
+                         for q in chosen])
     weights = scores / scores.sum()
     stages = {s: float(sum(w * q[4][s] for w, q in zip(weights, chosen, strict=True))) for s in STAGES}
     step = float(sum(w * q[5] for w, q in zip(weights, chosen, strict=True)))
     var = float(sum(w * q[6] for w, q in zip(weights, chosen, strict=True))) / max(1.0, math.sqrt(len(chosen)))
     spread = _log_spread([q[5] for q in chosen], weights)
-    noise = p.effects.noise_for(target.identity())
-    sigma = math.sqrt(noise ** 2 + var + spread ** 2)
+    # The target run will carry run-to-run noise, and so did the anchors it is forecast from: their measurement
+    # error, averaged over them by precision, adds to the target's own (an identical single anchor: twice the variance).
+    anchor_noise = 1.0 / sum(1.0 / max(noise ** 2 + median_error(p.cases[q[3]]) ** 2, 1e-8) for q in chosen)
+    sigma = math.sqrt(noise ** 2 + anchor_noise + var + spread ** 2)
     uncertain = sorted({u for q in chosen for u in q[7]})
     return _Estimate(stages, step, sigma, uncertain, [(p.cases[q[3]].run_id, float(w), q[2]) for w, q in zip(weights, chosen, strict=True)])
 

@@ -8,7 +8,8 @@ arrays, so fitting on 1,000 cases and forecasting 100 candidates stay fast). The
   checkpointing adds a forward pass, no packing pays padding, each micro-batch pays a fixed cost;
   the old-logprob pass (``reuse_rollout_logprobs: false``) adds ``2 x active x tokens``;
 - rollout: decode steps over the longest trial (``answer cap x turns``) per wave of concurrent
-  sequences -- concurrency is capped by KV-cache capacity, split over engines; static batching
+  sequences -- concurrency is capped by KV-cache capacity, split over engines, and where trials
+  run in sandboxes by the pool's slots (a trial holds its sandbox while it generates); static batching
   waits for whole waves, continuous batching refills slots; each decode step reads the weights
   (fp8 halves the bytes) and computes on the active batch; ``engine_compile`` scales the per-step
   overhead; sandboxes add setup (cheaper with a prebuilt image) and execution per trial, divided
@@ -23,7 +24,12 @@ with a ``column`` (the old-logprob pass, ``old_logprob_s``) is also fitted to th
 
 Coefficients start from physical priors per device class ('cpu' or 'gpu') and are fitted to the
 library with ``scipy.optimize.least_squares`` on log-times (a weak pull towards the priors keeps
-unidentified coefficients sane). :meth:`TheoryModel.fit` is cheap and is redone whenever the
+unidentified coefficients sane). Where a device class holds several jobs, each job with a few runs
+gets its own coefficients, tied to the class's by a penalty on their log distance (one tool-use
+job's longer sequences no longer bend what the math job's runs fit). Each case counts by how
+precisely it measured (:func:`case_fit_weight`). Measured counts a theory quantity predicts
+(:data:`COUNT_COLUMNS`: decode steps) are fitted too; they and the per-term columns pin coefficients
+whatever the cases ran (:func:`pinned_coefficients`). :meth:`TheoryModel.fit` is cheap and is redone whenever the
 library changes; :func:`systematic_miss` reads the forecasts stored beside each case and says
 which stages the forecasts miss in one direction, the signal to refit or to register a new term
 (:func:`register_term`). A setting no term reads is not estimable by theory: the forecast must
@@ -32,6 +38,7 @@ take it from measured pairs (:mod:`rltune.predict.effects`) or count it as uncer
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +61,9 @@ BOUNDS = {"continuous_fill": (0.05, 1.0), "compile_factor": (0.05, 1.5), "prebui
           **{f"overlap_{mode}_{stage}": (0.5, 10.0) for mode in ("one_step_async", "fully_async") for stage in ("rollout", "training")}}
 FREE_RANGE = 1e4
 MAX_FIT_CASES = 300  # other coefficients may move this factor either way from their prior
+JOB_PRIOR_WEIGHT = 0.3  # pull of a job's own coefficients towards its device class's fitted ones (log space)
+MIN_JOB_FIT_CASES = 2  # a job gets its own coefficients once it has this many ok cases
+FIT_RUN_NOISE = 0.03  # run-to-run noise (log) every run carries beside its own step spread; see case_fit_weight
 SANDBOX_SOFT_MIN_POWER = 4.0
 BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "float32": 4.0, "bfloat16": 2.0}
 
@@ -155,9 +165,17 @@ def weight_bytes(f: Features) -> np.ndarray:
 
 
 def concurrency_per_engine(f: Features) -> np.ndarray:
-    """Sequences one engine decodes at once: its setting, capped by KV-cache capacity on a GPU."""
+    """Sequences one engine decodes at once: its setting, capped by KV-cache capacity on a GPU.
+
+    Where trials run in sandboxes (a job that sets ``sandbox_pool_size``, other than math), a trial
+    holds its sandbox from setup to teardown, model turns included: no more trials than the pool's
+    slots generate at once, so an engine sees at most its share of the slots.
+    """
     def compute(f: Features) -> np.ndarray:
         wanted = np.maximum(f.num("engine_max_concurrency", 16.0), 1.0)
+        slots = f.num("sandbox_pool_size", math.inf) * np.maximum(f.num("sandbox_hosts", 1.0), 1.0) / engines(f)
+        sandboxed = (1.0 - f.equals("workload", "math", "math")) > 0
+        wanted = np.where(sandboxed, np.minimum(wanted, np.maximum(slots, 1.0)), wanted)
         memory = np.asarray([GPU_MEMORY_BYTES.get(d, 0.0) for d in f.text("device", "cpu")])
         kv_bytes = 1.0 + 1.0 * f.equals("kv_cache_dtype", "auto", "auto")  # fp8 cache: 1 byte
         per_token = 2.0 * f.num("layers", 32.0) * f.num("kv_heads", 8.0) * f.num("head_dim", 128.0) * kv_bytes
@@ -174,6 +192,35 @@ def decode_steps(f: Features, fill: float | np.ndarray) -> np.ndarray:
     static = f.equals("engine_batching", "static", "continuous")
     continuous_waves = np.maximum(1.0, waves * fill)
     return gen_len(f) * (static * np.ceil(np.maximum(waves, 1.0)) + (1 - static) * continuous_waves)
+
+
+# Measured counts a theory quantity predicts directly: the fit matches them where a case has them, which pins
+# coefficients the times alone cannot (how much continuous batching refills freed slots).
+COUNT_COLUMNS: dict[str, Callable[[Features, dict[str, float]], np.ndarray]] = {
+    "engine_decode_steps": lambda f, c: decode_steps(f, c["continuous_fill"]) * engines(f),  # forward steps of all engines per step
+}
+COUNT_COEFFICIENTS = {"engine_decode_steps": ("continuous_fill",)}  # the coefficients each count column pins
+
+
+def pinned_coefficients(cases: Sequence[CaseRecord]) -> set[str]:
+    """Coefficients a measured column of their own identifies, whatever settings the cases ran.
+
+    A term with a ``column`` (the old-logprob pass) is timed on its own, and a count column (decode
+    steps) measures what continuous batching refills: once some case measured the column, the fit
+    knows these coefficients from that case alone, so they need no change of the setting to be known.
+    """
+    present = {name for c in cases if c.status == "ok" for name, v in c.measured.items() if _number(v)}
+    out = {coef for term in TERMS if term.column in present for coef in term.priors}
+    out |= {coef for col, coefs in COUNT_COEFFICIENTS.items() if col in present for coef in coefs}
+    return out
+
+
+def with_pinned(base: TheoryModel, fitted: TheoryModel, pinned: set[str]) -> TheoryModel:
+    """``base`` (the priors) with the fitted values of the ``pinned`` coefficients, per device class and job."""
+    classes = {cls: {**base.coefficients.get(cls, {}), **{k: v for k, v in coeffs.items() if k in pinned}}
+               for cls, coeffs in fitted.coefficients.items()}
+    jobs = {key: {k: v for k, v in coeffs.items() if k in pinned} for key, coeffs in fitted.job_coefficients.items()}
+    return TheoryModel({**base.coefficients, **classes}, dict(base.fitted_on), {**base.job_coefficients, **jobs})
 
 
 def batch_per_step(f: Features) -> np.ndarray:
@@ -293,9 +340,11 @@ register_term("training", "old_logprob_pass", ("reuse_rollout_logprobs", "batch"
 register_term("training", "fixed", (), {"training_fixed_s": (0.02, 1.0)}, lambda f, c: np.full(f.n, c["training_fixed_s"]))
 register_term("rollout", "decode", ("batch", "answer_cap_tokens", "context_limit_tokens", "engine_max_concurrency", "num_engines",
                                     "engine_batching", "engine_compile", "engine_tp", "kv_cache_dtype", "weight_dtype", "total_params",
-                                    "active_params", "workload", "device"),
+                                    "active_params", "workload", "device", "sandbox_pool_size", "sandbox_hosts"),
+              # CPU: small-batch decode in eager kernels runs at a few GFLOP/s, an order of magnitude below the dense
+              # matmuls of training, so each sequence in the batch adds a real share to a decode step
               {"s_per_decode_step": (2e-3, 0.01), "compile_factor": (0.7, 0.7), "s_per_weight_byte": (1e-10, 2.5e-13),
-               "s_per_decode_flop": (3e-11, 3e-15), "continuous_fill": (0.7, 0.7)},
+               "s_per_decode_flop": (3e-10, 3e-15), "continuous_fill": (0.7, 0.7)},
               _decode, "decode steps over the longest trial per wave x cost of one step")
 register_term("rollout", "sandbox", ("workload", "sandbox_pool_size", "sandbox_hosts", "prebuilt_image", "batch"),
               {"sandbox_build_s": (0.5, 120.0), "prebuilt_factor": (0.2, 0.2), "sandbox_exec_s": (0.05, 5.0), "sandbox_cores": (2.0, 64.0)},
@@ -351,25 +400,39 @@ def modelled_settings() -> set[str]:
     return {name for term in TERMS for name in term.reads}
 
 
+def stages_reading() -> dict[str, set[str]]:
+    """Modelled setting -> the stages whose terms read it (``rl_mode`` reads none: it recombines them all)."""
+    out: dict[str, set[str]] = {}
+    for term in TERMS:
+        for name in term.reads:
+            out.setdefault(name, set()).add(term.stage)
+    return out
+
+
 @dataclass
 class TheoryModel:
-    """Coefficients per device class ('cpu' / 'gpu'); missing classes use the priors."""
+    """Coefficients per device class ('cpu' / 'gpu'), and per job where :meth:`fit` gave a job its own; missing ones use the priors."""
 
     coefficients: dict[str, dict[str, float]] = field(default_factory=dict)
     fitted_on: dict[str, int] = field(default_factory=dict)
+    job_coefficients: dict[str, dict[str, float]] = field(default_factory=dict)  # job_key -> that job's fitted set
 
-    def coefficients_for(self, device: str) -> dict[str, float]:
-        return {**prior_coefficients(device), **self.coefficients.get(device_class(device), {})}
+    def coefficients_for(self, device: str, job: str | None = None) -> dict[str, float]:
+        out = {**prior_coefficients(device), **self.coefficients.get(device_class(device), {})}
+        if job is not None and job in self.job_coefficients:
+            out.update(self.job_coefficients[job])
+        return out
 
     def stages_many(self, setups: Sequence[Setup]) -> dict[str, np.ndarray]:
-        """Theory seconds per stage for many setups (grouped by device class)."""
+        """Theory seconds per stage for many setups (grouped by device class and, where it has its own coefficients, job)."""
         out = {stage: np.zeros(len(setups)) for stage in STAGES}
-        groups: dict[str, list[int]] = {}
+        groups: dict[tuple[str, str | None], list[int]] = {}
         for i, s in enumerate(setups):
-            groups.setdefault(device_class(s.device), []).append(i)
-        for cls, idx in groups.items():
+            key = job_key(s) if self.job_coefficients else None
+            groups.setdefault((device_class(s.device), key if key in self.job_coefficients else None), []).append(i)
+        for (cls, key), idx in groups.items():
             f = Features([setups[i] for i in idx])
-            coeffs = self.coefficients_for("cpu" if cls == "cpu" else "gpu")
+            coeffs = self.coefficients_for("cpu" if cls == "cpu" else "gpu", key)
             for stage, values in _stage_sums(f, coeffs).items():
                 out[stage][idx] = values
         return out
@@ -386,53 +449,164 @@ class TheoryModel:
     def fit(self, cases: Sequence[CaseRecord], prior_weight: float = 0.1, *, setups: Sequence[Setup] | None = None) -> TheoryModel:
         """A new model with coefficients fitted to the ok cases (least squares on log-times).
 
-        ``setups`` (``setup_from_case`` of each case, in order) saves rebuilding them when the caller has them.
+        One fit per device class. Where the class holds several jobs (:func:`job_key`), each job
+        with :data:`MIN_JOB_FIT_CASES` ok cases gets its own coefficients, the class's set times a
+        per-job factor that costs :data:`JOB_PRIOR_WEIGHT` per unit of log: what a job's runs
+        measured (a tool-use trainer's longer sequences) becomes its own, so it no longer bends the
+        coefficients the other jobs share, and what its runs cannot tell apart (a micro-batch cost
+        when the job never changed its micro-batch) stays where all jobs' runs put it. The class's
+        set is pulled weakly towards the physical priors. Each case's residuals are weighted by how
+        precisely it measured its stages (:func:`case_fit_weight`). ``setups`` (``setup_from_case``
+        of each case, in order) saves rebuilding them when the caller has them.
         """
-        from scipy.optimize import least_squares
-
-        fitted = TheoryModel(dict(self.coefficients), dict(self.fitted_on))
+        fitted = TheoryModel(dict(self.coefficients), dict(self.fitted_on), dict(self.job_coefficients))
         groups: dict[str, list[tuple[CaseRecord, Setup]]] = {}
         for index, case in enumerate(cases):
             if case.status == "ok":
                 setup = setups[index] if setups is not None else setup_from_case(case)
                 groups.setdefault(device_class(case.device), []).append((case, setup))
         for cls, pairs in groups.items():
-            if len(pairs) > MAX_FIT_CASES:  # an even spread over time bounds the cost on large libraries
-                step = len(pairs) / MAX_FIT_CASES
-                pairs = [pairs[int(i * step)] for i in range(MAX_FIT_CASES)]
-            group = [c for c, _ in pairs]
-            f = Features([s for _, s in pairs])
-            per_case = [measured_stages(c) for c in group]
-            measured = {stage: np.asarray([m[stage] for m in per_case]) for stage in STAGES}
-            columns = {t.column for t in TERMS if t.column}
-            # column -> (rows of the cases that measured it, their values)
-            finer = {col: (np.asarray([i for i, c in enumerate(group) if _number(c.measured.get(col))], dtype=int),
-                           np.asarray([float(c.measured[col]) for c in group if _number(c.measured.get(col))]))
-                     for col in sorted(columns)}
-            start = self.coefficients_for("cpu" if cls == "cpu" else "gpu")
-            names = sorted(start)
-            prior = prior_coefficients("cpu" if cls == "cpu" else "gpu")
-            theta0 = np.log([start[n] for n in names])
-            theta_prior = np.log([prior[n] for n in names])
-
-            def residuals(theta: np.ndarray, f: Features = f, measured: dict = measured, names: list = names,
-                          theta_prior: np.ndarray = theta_prior, finer: dict = finer) -> np.ndarray:
-                coeffs = dict(zip(names, np.exp(theta), strict=True))
-                sums = _stage_sums(f, coeffs)
-                parts = [np.log(sums[s] + EPS_S) - np.log(measured[s] + EPS_S) for s in STAGES]
-                by_column = _column_terms(f, coeffs)
-                parts += [np.log(by_column[col][rows] + EPS_S) - np.log(values + EPS_S) for col, (rows, values) in finer.items()]
-                parts.append(prior_weight * (theta - theta_prior))
-                return np.concatenate(parts)
-
-            low = np.asarray([math.log(BOUNDS[n][0]) if n in BOUNDS else math.log(prior[n] / FREE_RANGE) for n in names])
-            high = np.asarray([math.log(BOUNDS[n][1]) if n in BOUNDS else math.log(prior[n] * FREE_RANGE) for n in names])
-            theta0 = np.clip(theta0, low + 1e-9, high - 1e-9)
-            result = least_squares(residuals, theta0, bounds=(low, high), method="trf", tr_solver="lsmr", x_scale=1.0,
-                                   max_nfev=50 * len(names))
-            fitted.coefficients[cls] = dict(zip(names, (float(x) for x in np.exp(result.x)), strict=True))
-            fitted.fitted_on[cls] = len(group)
+            device = "cpu" if cls == "cpu" else "gpu"
+            pairs = _spread_over_time(pairs)
+            by_job: dict[str, list[int]] = {}
+            for i, (_, setup) in enumerate(pairs):
+                by_job.setdefault(job_key(setup), []).append(i)
+            own = [key for key, rows in by_job.items() if len(rows) >= MIN_JOB_FIT_CASES] if len(by_job) > 1 else []
+            pooled, per_job = _fit_jobs(pairs, by_job, own, self.coefficients_for(device), prior_coefficients(device), prior_weight,
+                                        {key: self.job_coefficients[key] for key in own if key in self.job_coefficients})
+            fitted.coefficients[cls] = pooled
+            fitted.fitted_on[cls] = len(pairs)
+            fitted.job_coefficients.update(per_job)
         return fitted
+
+
+def job_key(setup: Setup) -> str:
+    """The key of a setup's job (its identity) in :attr:`TheoryModel.job_coefficients`."""
+    return json.dumps([None if v is None else (v if isinstance(v, (int, float)) else str(v)) for v in setup.identity()])
+
+
+def median_error(case: CaseRecord) -> float:
+    """Relative standard error of a case's step median: ``1.2533 x step spread / sqrt(measured steps)`` (0 if unknown).
+
+    ``step_spread`` is the case's robust relative spread of its step times (``step_noise_frac``);
+    1.2533 is the large-sample ratio of a median's standard error to a mean's.
+    """
+    frac = case.step_noise_frac
+    if frac is None or not math.isfinite(frac) or frac <= 0:
+        return 0.0
+    return 1.2533 * frac / math.sqrt(max(int(case.measured_steps or 0), 1))
+
+
+def case_fit_weight(case: CaseRecord) -> float:
+    """Relative weight of a case's residuals in the fit: 1 for a precisely measured run, less for a noisy one.
+
+    Every run carries the machine's run-to-run noise (:data:`FIT_RUN_NOISE`) plus the sampling
+    error of its medians (:func:`median_error`); the weight is the run-to-run noise over the two
+    together, so a run whose steps spread 50 % over three steps counts a fraction of a steady one.
+    """
+    se = median_error(case)
+    return FIT_RUN_NOISE / math.sqrt(FIT_RUN_NOISE ** 2 + se ** 2)
+
+
+def _spread_over_time(pairs: list[tuple[CaseRecord, Setup]]) -> list[tuple[CaseRecord, Setup]]:
+    if len(pairs) <= MAX_FIT_CASES:
+        return pairs
+    step = len(pairs) / MAX_FIT_CASES  # an even spread over time bounds the cost on large libraries
+    return [pairs[int(i * step)] for i in range(MAX_FIT_CASES)]
+
+
+def _fit_jobs(pairs: list[tuple[CaseRecord, Setup]], by_job: dict[str, list[int]], own: list[str], start: dict[str, float],
+              prior: dict[str, float], prior_weight: float, job_start: dict[str, dict[str, float]]
+              ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """Fit a class's coefficients and, for the jobs in ``own``, a log factor on each (see :meth:`TheoryModel.fit`).
+
+    Parameters: the class's log coefficients, pulled towards ``prior`` by ``prior_weight``, then
+    one offset vector per job of ``own``, pulled towards 0 by :data:`JOB_PRIOR_WEIGHT`. A job's
+    coefficients are ``exp(class + offset)``, kept inside :data:`BOUNDS`.
+    Returns (class coefficients, job_key -> that job's coefficients).
+    """
+    from scipy.optimize import least_squares
+
+    names = sorted(start)
+    n = len(names)
+    theta_prior = np.log([prior[name] for name in names])
+    low = np.asarray([math.log(BOUNDS[name][0]) if name in BOUNDS else theta_prior[i] - math.log(FREE_RANGE) for i, name in enumerate(names)])
+    high = np.asarray([math.log(BOUNDS[name][1]) if name in BOUNDS else theta_prior[i] + math.log(FREE_RANGE) for i, name in enumerate(names)])
+    theta0 = np.clip(np.log([start[name] for name in names]), low + 1e-9, high - 1e-9)
+    # Row groups: each job of `own` on its own, the rest of the cases together on the class's coefficients.
+    shared = [i for key, rows in by_job.items() if key not in own for i in rows]
+    blocks = [(key, by_job[key]) for key in own] + ([(None, shared)] if shared else [])
+    columns = sorted({t.column for t in TERMS if t.column})
+    prepared = []
+    for key, rows in blocks:
+        group = [pairs[i][0] for i in rows]
+        f = Features([pairs[i][1] for i in rows])
+        weight = np.asarray([case_fit_weight(c) for c in group])
+        per_case = [measured_stages(c) for c in group]
+        measured = {stage: np.log(np.asarray([m[stage] for m in per_case]) + EPS_S) for stage in STAGES}
+        # column -> (rows of the cases that measured it, their log values)
+        finer = {col: (np.asarray([i for i, c in enumerate(group) if _number(c.measured.get(col))], dtype=int),
+                       np.log(np.asarray([float(c.measured[col]) for c in group if _number(c.measured.get(col))]) + EPS_S))
+                 for col in columns}
+        counts = {col: (np.asarray([i for i, c in enumerate(group) if _number(c.measured.get(col)) and c.measured[col] > 0], dtype=int),
+                        np.log(np.asarray([float(c.measured[col]) for c in group if _number(c.measured.get(col)) and c.measured[col] > 0])))
+                  for col in sorted(COUNT_COLUMNS)}
+        size = len(rows) * len(STAGES) + sum(len(r) for r, _ in finer.values()) + sum(len(r) for r, _ in counts.values())
+        prepared.append((key, f, weight, measured, finer, counts, size))
+    offset_of = {key: n * (1 + j) for j, key in enumerate(own)}
+
+    def block_residuals(theta: np.ndarray, block: tuple) -> np.ndarray:
+        _, f, weight, measured, finer, counts, _ = block
+        coeffs = dict(zip(names, np.exp(np.clip(theta, low, high)), strict=True))
+        sums = _stage_sums(f, coeffs)
+        parts = [weight * (np.log(sums[s] + EPS_S) - measured[s]) for s in STAGES]
+        by_column = _column_terms(f, coeffs)
+        parts += [weight[rows] * (np.log(by_column[col][rows] + EPS_S) - values) for col, (rows, values) in finer.items()]
+        parts += [weight[rows] * (np.log(np.maximum(COUNT_COLUMNS[col](f, coeffs)[rows], 1e-9)) - values)
+                  for col, (rows, values) in counts.items() if len(rows)]
+        return np.concatenate(parts)
+
+    def thetas(x: np.ndarray) -> list[np.ndarray]:
+        return [x[:n] if key is None else x[:n] + x[offset_of[key]:offset_of[key] + n] for key, *_ in prepared]
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        parts = [block_residuals(theta, block) for theta, block in zip(thetas(x), prepared, strict=True)]
+        parts.append(prior_weight * (x[:n] - theta_prior))
+        parts += [JOB_PRIOR_WEIGHT * x[offset_of[key]:offset_of[key] + n] for key in own]
+        return np.concatenate(parts)
+
+    def jacobian(x: np.ndarray) -> np.ndarray:
+        # A block's rows depend on its log coefficients (class + offset) only, and equally on both parts: one
+        # forward difference per coefficient and block gives both columns, as cheap as a fit without jobs.
+        out = np.zeros((rows_total, n * (1 + len(own))))
+        row = 0
+        for theta, block in zip(thetas(x), prepared, strict=True):
+            size = block[-1]
+            r0 = block_residuals(theta, block)
+            part = np.empty((size, n))
+            for i in range(n):
+                h = 1e-6 * max(1.0, abs(theta[i]))
+                moved = theta.copy()
+                moved[i] += h
+                part[:, i] = (block_residuals(moved, block) - r0) / h
+            out[row:row + size, :n] = part
+            if block[0] is not None:
+                out[row:row + size, offset_of[block[0]]:offset_of[block[0]] + n] = part
+            row += size
+        out[row:row + n, :n] = prior_weight * np.eye(n)
+        for j, key in enumerate(own):
+            out[row + n * (1 + j):row + n * (2 + j), offset_of[key]:offset_of[key] + n] = JOB_PRIOR_WEIGHT * np.eye(n)
+        return out
+
+    rows_total = sum(b[-1] for b in prepared) + n * (1 + len(own))
+    x0 = np.concatenate([theta0, *[np.log([job_start.get(key, {}).get(name, start[name]) for name in names]) - theta0 for key in own]])
+    x_low = np.concatenate([low, *[np.full(n, -np.inf) for _ in own]])
+    x_high = np.concatenate([high, *[np.full(n, np.inf) for _ in own]])
+    result = least_squares(residuals, x0, jac=jacobian, bounds=(x_low, x_high), method="trf", tr_solver="lsmr", x_scale=1.0,
+                           max_nfev=50 * n)
+    out = [dict(zip(names, (float(v) for v in np.exp(np.clip(theta, low, high))), strict=True)) for theta in thetas(result.x)]
+    per_job = {block[0]: coeffs for block, coeffs in zip(prepared, out, strict=True) if block[0] is not None}
+    return dict(zip(names, (float(v) for v in np.exp(result.x[:n])), strict=True)), per_job
 
 
 def _number(x: Any) -> bool:
@@ -493,5 +667,6 @@ def systematic_miss(cases: Sequence[CaseRecord], *, last: int = 10, min_bias: fl
     return out
 
 
-__all__ = ["STAGES", "TERMS", "Features", "Term", "TheoryModel", "device_class", "modelled_settings", "prior_coefficients",
-           "register_term", "systematic_miss"]
+__all__ = ["COUNT_COLUMNS", "STAGES", "TERMS", "Features", "Term", "TheoryModel", "case_fit_weight", "device_class", "job_key",
+           "median_error", "modelled_settings", "pinned_coefficients", "prior_coefficients", "register_term", "stages_reading",
+           "systematic_miss", "with_pinned"]

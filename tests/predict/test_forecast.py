@@ -14,9 +14,24 @@ from predict_casekit import make_case
 
 from rltune.predict.effects import knob_effects
 from rltune.predict.evaluate import evaluate, plot
-from rltune.predict.forecast import ANCHOR_UNCERTAINTY_BUDGET, forecast_prepared, prepare
+from rltune.predict.forecast import (
+    ANCHOR_UNCERTAINTY_BUDGET,
+    RANGE_Z,
+    RL_MODE_SHARED_DEVICE_SIGMA,
+    _adjust,
+    forecast_prepared,
+    prepare,
+)
 from rltune.predict.setup import SETTING_WEIGHTS, setup_from_case
-from rltune.predict.theory import TERMS, TheoryModel, modelled_settings, register_term, systematic_miss
+from rltune.predict.theory import (
+    TERMS,
+    TheoryModel,
+    job_key,
+    median_error,
+    modelled_settings,
+    register_term,
+    systematic_miss,
+)
 
 
 def target_like(case, **knobs):
@@ -40,10 +55,12 @@ def test_anchor_adjusts_by_a_change_earlier_runs_measured():
     assert fc.method == "anchor"
     # two equally close anchors: packed moved by the measured micro-batch change, mb4 moved by the measured packing change.
     # Both changes were measured from b0, not from the anchor, so their stage ratios move the anchor's stages and the
-    # step follows the stages (a step ratio from b0 would weigh them as b0 does): 1.2 + 1.6 x 0.75 + 0.1 either way.
+    # step follows the stages (a step ratio from b0 would weigh them as b0 does). Both settings are read by training
+    # terms only, so only training moves: 1.6 x 0.75 either way; each anchor keeps its own rollout (1.2 and 1.0: the
+    # pair's rollout change was run-to-run noise, as no term of packing touches the rollout).
     assert fc.stages_s["training"] == pytest.approx(1.6 * 1.5 / 2.0, rel=1e-2)
-    assert fc.stages_s["rollout"] == pytest.approx(1.2, rel=1e-2)
-    assert fc.step_s == pytest.approx(1.2 + 1.6 * 1.5 / 2.0 + 0.1, rel=1e-3)
+    assert fc.stages_s["rollout"] == pytest.approx((1.2 + 1.0) / 2, rel=1e-2)
+    assert fc.step_s == pytest.approx((1.2 + 1.0) / 2 + 1.6 * 1.5 / 2.0 + 0.1, rel=1e-3)
     assert fc.step_s != pytest.approx(packed.step_s * mb4.step_s / b0.step_s, rel=1e-2)
 
 
@@ -307,3 +324,84 @@ def test_each_job_gets_its_own_run_to_run_noise_shrunk_towards_the_pooled_figure
     assert width["t"] > 2 * width["m"]
     back = type(effects).from_json(effects.to_json())
     assert back.noise_for(t_id) == effects.noise_for(t_id) and back.job_noise == effects.job_noise
+
+
+def test_a_measured_change_moves_only_the_stages_its_terms_read():
+    """The in-process transport pair also read a slower rollout: run-to-run noise, as no rollout term reads the transport."""
+    b0 = make_case("b0", rollout=1.0, training=2.0, weight_sync=0.1, t=0)
+    inproc = make_case("inproc", rollout=1.3, training=2.0, weight_sync=0.02, knobs={"sync_transport": "inprocess"}, t=100)
+    packed = make_case("packed", rollout=1.0, training=1.6, weight_sync=0.1, knobs={"packing": True}, t=200)
+    p = prepare([b0, inproc, packed], fit=False)
+    assert p.stages_reading["sync_transport"] == {"weight_sync"} and p.stages_reading["packing"] == {"training"}
+    target = target_like(b0, packing=True, sync_transport="inprocess")
+    stages, step, *_ = _adjust(p, 2, target, use_theory_for_all=False)  # the packed run, moved by the transport pair
+    assert stages["rollout"] == pytest.approx(1.0) and stages["training"] == pytest.approx(1.6)
+    assert stages["weight_sync"] == pytest.approx((0.1 + 1e-3) * (0.02 + 1e-3) / (0.1 + 1e-3) - 1e-3)
+    assert step == pytest.approx(1.0 + 1.6 + 0.02, rel=1e-6)
+
+
+def test_anchors_are_weighed_by_how_precisely_they_measured():
+    steady = make_case("steady", rollout=1.0, training=2.0, weight_sync=0.0, t=0)
+    shaky = make_case("shaky", rollout=1.6, training=2.0, weight_sync=0.0, t=100)
+    shaky.step_noise_frac, shaky.measured_steps = 0.4, 3  # its steps spread 40 %: its median is known to about 29 %
+    p = prepare([steady, shaky], fit=False)
+    fc = forecast_prepared(p, setup_from_case(steady))
+    noise = p.effects.noise_for(setup_from_case(steady).identity())
+    precision = [1.0 / (noise ** 2 + median_error(c) ** 2) for c in (steady, shaky)]
+    want = (precision[0] * steady.step_s + precision[1] * shaky.step_s) / sum(precision)
+    assert fc.method == "anchor" and fc.step_s == pytest.approx(want, rel=1e-6)
+    assert abs(fc.step_s - steady.step_s) < abs(fc.step_s - shaky.step_s)  # an equal-weight mean would sit half-way
+
+
+def test_a_value_no_case_ran_keeps_what_a_measured_column_pinned():
+    """Every case ran concurrency 16, but their decode-step counts say continuous batching refilled nothing."""
+    runs = []
+    for i in range(3):
+        case = make_case(f"b{i}", rollout=0.3, training=0.4 + 0.01 * i, weight_sync=0.02, t=100 * i)
+        case.measured["engine_decode_steps"] = 32.0  # 32 samples, 16 at a time, 16 tokens: two whole waves
+        runs.append(case)
+    p = prepare(runs)
+    base = setup_from_case(runs[0])
+    key = job_key(base)
+    prior = p.prior_theory.coefficients_for("cpu", key)
+    assert prior["continuous_fill"] == pytest.approx(1.0, abs=0.02)  # pinned by the counts, not the prior's 0.7
+    assert prior["s_per_decode_step"] == TheoryModel().coefficients_for("cpu")["s_per_decode_step"]  # the rest: priors
+    target = base.with_knobs(engine_max_concurrency=64)
+    assert not p.has_seen("cpu", "engine_max_concurrency", 64)
+    fc = forecast_prepared(p, target)
+    assert fc.stages_s["rollout"] == pytest.approx(np.mean([r.measured["rollout_s"] for r in runs]) * p.prior_ratio(target, base)["rollout"],
+                                                   rel=1e-3)
+    # one wave of 32 instead of two of 16: fewer, costlier decode steps -- by the unpinned priors one wave would cost more
+    assert p.prior_ratio(target, base)["rollout"] < 1.0 < TheoryModel().ratio(target, base)["rollout"]
+
+
+def test_an_rl_mode_change_another_cpu_job_measured_is_doubtful():
+    """The ratio moves the step either way; on a CPU-only job the range widens by the shared-core doubt."""
+    widths = {}
+    for device, gpus in (("cpu", 0), ("H200", 8)):
+        where = {"device": device, "gpus": gpus}
+        tool = {"job": "tiny-tool-use-cpu", "workload": "tool_use", **where}
+        sync = make_case("m0", rollout=1.0, training=1.0, weight_sync=0.0, t=0, **where)
+        overlapped = make_case("m1", rollout=4.0, training=1.0, weight_sync=0.0, step=1.5, knobs={"rl_mode": "fully_async"}, t=100, **where)
+        tool_base = make_case("t0", rollout=8.0, training=1.0, weight_sync=0.0, t=200, **tool)
+        fc = forecast_prepared(prepare([sync, overlapped, tool_base], fit=False), target_like(tool_base, rl_mode="fully_async"))
+        assert fc.method == "anchor" and fc.step_s == pytest.approx((9.0 + 1e-3) * (1.5 + 1e-3) / (2.0 + 1e-3) - 1e-3, rel=1e-6)
+        widths[device] = (math.log(fc.range_s[1] / fc.range_s[0]) / (2 * RANGE_Z)) ** 2
+    assert widths["cpu"] - widths["H200"] == pytest.approx(RL_MODE_SHARED_DEVICE_SIGMA ** 2, rel=1e-3)
+
+
+def test_a_forecast_from_one_run_carries_that_runs_noise_as_well_as_the_targets():
+    base = make_case("b", rollout=1.0, training=2.0, weight_sync=0.1)  # 5 measured steps spread 2 %
+    p = prepare([base], fit=False)
+    fc = forecast_prepared(p, setup_from_case(base))
+    noise = p.effects.noise_for(setup_from_case(base).identity())
+    assert noise == pytest.approx(0.03)  # no repeats yet: the default run-to-run noise
+    half = math.log(fc.range_s[1] / fc.range_s[0]) / 2
+    assert half == pytest.approx(RANGE_Z * math.sqrt(2 * noise ** 2 + median_error(base) ** 2), rel=1e-4)
+    # two repeats average their noise down: the anchors' share halves, the target's own stays
+    again = make_case("b2", rollout=1.0, training=2.0, weight_sync=0.1, t=100)
+    p2 = prepare([base, again], fit=False)
+    fc2 = forecast_prepared(p2, setup_from_case(base))
+    noise2 = p2.effects.noise_for(setup_from_case(base).identity())
+    half2 = math.log(fc2.range_s[1] / fc2.range_s[0]) / 2
+    assert half2 == pytest.approx(RANGE_Z * math.sqrt(noise2 ** 2 + (noise2 ** 2 + median_error(base) ** 2) / 2), rel=1e-4)

@@ -11,7 +11,17 @@ from predict_casekit import make_case
 
 from rltune.predict.evaluate import evaluate
 from rltune.predict.setup import setup_from_case
-from rltune.predict.theory import Features, TheoryModel, overlap_slowdown, sandbox_parallelism
+from rltune.predict.theory import (
+    Features,
+    TheoryModel,
+    case_fit_weight,
+    concurrency_per_engine,
+    job_key,
+    median_error,
+    overlap_slowdown,
+    pinned_coefficients,
+    sandbox_parallelism,
+)
 
 TOOL = {"job": "tiny-tool-use-cpu", "workload": "tool_use"}
 
@@ -82,3 +92,84 @@ def test_eval_training_error_compares_the_trainers_whole_time():
     report = evaluate(runs)
     assert [r.measured_training_s for r in report.rows] == [2.0, 2.0]
     assert report.training_median_abs_error_pct == pytest.approx(0.0, abs=1e-6)
+
+
+def _cases_from(truth: TheoryModel, specs, **identity):
+    """Cases whose stage times are exactly what ``truth`` says for their settings (spec: run id, knobs, facts, t)."""
+    cases = []
+    for run_id, knobs, facts, t in specs:
+        probe = make_case(run_id, rollout=1, training=1, weight_sync=1, knobs=knobs, facts=facts, t=t, **identity)
+        stages = truth.stages(setup_from_case(probe))
+        cases.append(make_case(run_id, rollout=stages["rollout"], training=stages["training"], weight_sync=stages["weight_sync"],
+                               knobs=knobs, facts=facts, t=t, **identity))
+    return cases
+
+
+def test_each_job_gets_its_own_coefficients_tied_to_its_device_class():
+    """A tool-use trainer three times slower per token than the math one: one shared set cannot fit both jobs."""
+    math_truth = TheoryModel(coefficients={"cpu": {"s_per_train_flop": 9e-11}})
+    tool_truth = TheoryModel(coefficients={"cpu": {"s_per_train_flop": 27e-11}})
+    math_cases = _cases_from(math_truth, [(f"m{mb}", {"micro_batch_size": mb}, None, mb) for mb in (2, 4, 8, 16)])
+    tool_cases = _cases_from(tool_truth, [(f"t{mb}", {"micro_batch_size": mb}, None, 100 + mb) for mb in (2, 8)], **TOOL)
+    fitted = TheoryModel().fit(math_cases + tool_cases)
+    keys = {job_key(setup_from_case(c)) for c in (math_cases[0], tool_cases[0])}
+    assert set(fitted.job_coefficients) == keys and fitted.fitted_on == {"cpu": 6}
+    for case in math_cases + tool_cases:
+        got = fitted.stages(setup_from_case(case))["training"]
+        assert got == pytest.approx(case.measured["training_s"], rel=0.05), case.run_id
+    pooled = TheoryModel(coefficients={"cpu": fitted.coefficients["cpu"]})  # the class's set alone misses one job or the other
+    misses = [abs(pooled.stages(setup_from_case(c))["training"] / c.measured["training_s"] - 1) for c in (math_cases[0], tool_cases[0])]
+    assert max(misses) > 0.25
+    # one job alone, or a job with a single run, gets no set of its own
+    assert TheoryModel().fit(math_cases).job_coefficients == {}
+    assert set(TheoryModel().fit(math_cases + tool_cases[:1]).job_coefficients) == {job_key(setup_from_case(math_cases[0]))}
+
+
+def test_a_noisy_run_counts_less_in_the_fit():
+    steady = make_case("s", rollout=1.0, training=1.0, weight_sync=0.1)
+    noisy = make_case("n", rollout=1.0, training=1.0, weight_sync=0.1)
+    noisy.step_noise_frac, noisy.measured_steps = 0.5, 3
+    se = 1.2533 * 0.5 / np.sqrt(3)
+    assert median_error(noisy) == pytest.approx(se)
+    assert case_fit_weight(noisy) == pytest.approx(0.03 / np.sqrt(0.03 ** 2 + se ** 2))  # about 0.08
+    steady.step_noise_frac = None
+    assert case_fit_weight(steady) == 1.0 and median_error(steady) == 0.0
+    # four steady runs of a truth and one noisy run whose training read twice as long: the fit stays with the steady ones
+    truth = TheoryModel(coefficients={"cpu": {"s_per_train_flop": 9e-11}})
+    cases = _cases_from(truth, [(f"c{mb}", {"micro_batch_size": mb}, None, mb) for mb in (2, 4, 8, 16)])
+    outlier = _cases_from(truth, [("o", {"micro_batch_size": 32}, None, 50)])[0]
+    want = outlier.measured["training_s"]
+    outlier.measured["training_s"] *= 2.0
+    outlier.step_noise_frac, outlier.measured_steps = 0.5, 3
+    got = TheoryModel().fit([*cases, outlier]).stages(setup_from_case(outlier))["training"]
+    assert got == pytest.approx(want, rel=0.1)
+
+
+def test_a_sandboxed_trial_holds_its_slot_while_it_generates():
+    f = Features([tool_setup(engine_max_concurrency=c, sandbox_pool_size=8) for c in (4, 16, 64)]
+                 + [tool_setup(engine_max_concurrency=16, sandbox_pool_size=8, num_engines=2)])
+    assert list(concurrency_per_engine(f)) == [4.0, 8.0, 8.0, 4.0]  # the pool's 8 slots, shared by the engines
+    math_setup = setup_from_case(make_case("m", rollout=1.0, training=1.0, weight_sync=0.0, knobs={"sandbox_pool_size": 2}))
+    no_pool = tool_setup(engine_max_concurrency=64)  # a job that does not set a pool is not capped
+    assert list(concurrency_per_engine(Features([math_setup, no_pool]))) == [16.0, 64.0]
+    theory = TheoryModel()
+    base = tool_setup(engine_max_concurrency=16, sandbox_pool_size=8)
+    assert theory.ratio(base.with_knobs(engine_max_concurrency=64), base)["rollout"] == pytest.approx(1.0)
+
+
+def test_measured_decode_steps_pin_how_much_continuous_batching_refills():
+    def cases(steps_per_wave):
+        out = []
+        for i, mb in enumerate((2, 8)):
+            case = make_case(f"c{i}", rollout=0.3, training=0.2, weight_sync=0.01, knobs={"micro_batch_size": mb}, t=i)
+            case.measured["engine_decode_steps"] = 16 * steps_per_wave  # 32 samples, 16 at a time, 16-token answers
+            out.append(case)
+        return out
+    assert pinned_coefficients(cases(2.0)) == {"continuous_fill"}
+    whole = TheoryModel().fit(cases(2.0)).coefficients["cpu"]["continuous_fill"]
+    refilled = TheoryModel().fit(cases(1.4)).coefficients["cpu"]["continuous_fill"]
+    assert whole == pytest.approx(1.0, abs=0.02) and refilled == pytest.approx(0.7, abs=0.02)
+    logprob = make_case("l", rollout=0.3, training=0.2, weight_sync=0.01)
+    logprob.measured["old_logprob_s"] = 0.05
+    assert pinned_coefficients([logprob]) == {"s_per_logprob_flop"}
+    assert pinned_coefficients([make_case("p", rollout=0.3, training=0.2, weight_sync=0.01)]) == set()
