@@ -91,10 +91,22 @@ def _rice_cost_bits(gaps, k):
 
 
 @numba.njit(cache=True, nogil=True)
+def _append_bits(buf, out, acc, pending, value, nbits):
+    # ``value`` (already masked to nbits <= 40) goes above the ``pending`` bits of ``acc``; whole
+    # bytes are stored at buf[out...]. At most 7 + 40 bits are held: far from the sign bit.
+    acc |= value << pending
+    pending += nbits
+    while pending >= 8:
+        buf[out] = np.uint8(acc & 0xFF)
+        out += 1
+        acc >>= 8
+        pending -= 8
+    return out, acc, pending
+
+
+@numba.njit(cache=True, nogil=True)
 def _rice_encode(gaps, k, buf):
-    # The bits _put_bits would write (LSB first), gathered in a 64-bit accumulator and stored a
-    # byte at a time; each addition is at most 40 bits onto at most 7 pending, so the accumulator
-    # never nears its sign bit.
+    # The bits _put_bits would write (LSB first), gathered in a 64-bit accumulator, stored a byte at a time.
     acc = np.int64(0)
     pending = np.int64(0)
     out = np.int64(0)
@@ -102,30 +114,13 @@ def _rice_encode(gaps, k, buf):
     for g in gaps:
         q = g >> k
         if q >= RICE_ESCAPE_Q:
-            acc |= ((np.int64(1) << RICE_ESCAPE_Q) - 1) << pending
-            pending += RICE_ESCAPE_Q
-            while pending >= 8:
-                buf[out] = np.uint8(acc & 0xFF)
-                out += 1
-                acc >>= 8
-                pending -= 8
-            acc |= (g & ((np.int64(1) << RICE_RAW_BITS) - 1)) << pending
-            pending += RICE_RAW_BITS
+            out, acc, pending = _append_bits(buf, out, acc, pending, (np.int64(1) << RICE_ESCAPE_Q) - 1, RICE_ESCAPE_Q)
+            out, acc, pending = _append_bits(buf, out, acc, pending, g & ((np.int64(1) << RICE_RAW_BITS) - 1),
+                                             RICE_RAW_BITS)
         else:
-            acc |= ((np.int64(1) << q) - 1) << pending  # q ones, then the terminating zero
-            pending += q + 1
-            while pending >= 8:
-                buf[out] = np.uint8(acc & 0xFF)
-                out += 1
-                acc >>= 8
-                pending -= 8
-            acc |= (g & low) << pending  # the k low bits
-            pending += k
-        while pending >= 8:
-            buf[out] = np.uint8(acc & 0xFF)
-            out += 1
-            acc >>= 8
-            pending -= 8
+            # q ones and the terminating zero, then the k low bits
+            out, acc, pending = _append_bits(buf, out, acc, pending, (np.int64(1) << q) - 1, q + 1)
+            out, acc, pending = _append_bits(buf, out, acc, pending, g & low, k)
     if pending > 0:
         buf[out] = np.uint8(acc & 0xFF)
         out += 1
