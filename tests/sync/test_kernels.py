@@ -254,27 +254,6 @@ def test_kernels_equal_references_at_real_sizes_on_cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fraction", [0.0, 0.002, 0.3, 1.0])
-def test_diff_look_back_over_many_blocks_and_chunks_on_cuda(fraction):
-    # thousands of blocks per chunk, so blocks wait on blocks still running; run twice, so the
-    # look-back status of one step cannot leak into the next
-    n, chunk = (1 << 24) + 777, 1 << 22
-    old = random_bits(n, 16, seed=21, device="cuda")
-    new = (old ^ 1) if fraction == 1.0 else perturb(old, fraction, seed=22)
-    want = R.diff_extract_ref(old, new, 0)
-    sink = K.ChangeSink(capacity=n, max_chunk_elements=chunk, max_chunks=8, device="cuda")
-    for _ in range(2):
-        sink.reset()
-        for k, a in enumerate(range(0, n, chunk)):
-            sink.append(old[a:a + chunk], new[a:a + chunk], offset=a, key=k)
-        sink.finish()
-        chunks = sink.collect()
-        got = [torch.cat([getattr(c, f) for c in chunks]) for f in ("idx_C", "new_C", "old_C")]
-        assert all(torch.equal(g, w.cpu()) for g, w in zip(got, want[:3], strict=True))
-        assert sum(c.checksum_change for c in chunks) & R.MASK64 == want[3]
-
-
-@pytest.mark.gpu
 def test_fused_apply_compiles_once_per_plan_not_per_delta():
     from rltune.sync.kernels.triton_kernels import KERNELS, compiled_variants
 

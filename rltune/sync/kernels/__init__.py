@@ -355,39 +355,35 @@ def layouts_from_index_map(index_map, shapes: dict[str, list[int]]) -> tuple[lis
 
 @dataclass
 class ApplyResult:
-    """Per delta entry: running-checksum change (int64 bits, mod 2**64) and changes written.
+    """Per delta entry: running-checksum change (int64 bits, mod 2**64) and changes written; on the device.
 
-    Both rows live in one ``[2, E]`` host tensor. On a GPU the apply kernel's last block writes them
-    into the plan's pinned buffer, so reading them is one wait on ``stream`` (no copy); the buffer is
-    the plan's, reused by its next apply: read a result before applying again.
+    Both rows live in one ``[2, E]`` tensor, so :meth:`to_host` reads them with one copy and one sync
+    (into the plan's pinned buffer on CUDA: an asynchronous copy, then a wait on the stream).
     """
 
     both_2E: torch.Tensor
-    stream: Any = None  # the CUDA stream the kernel ran on; None where the sums are already final
+    pinned_2E: torch.Tensor | None = None
 
     @property
     def checksum_E(self) -> torch.Tensor:
-        return self.to_tensor()[0]
+        return self.both_2E[0]
 
     @property
     def written_E(self) -> torch.Tensor:
-        return self.to_tensor()[1]
+        return self.both_2E[1]
 
     def to_host(self) -> tuple[list[int], list[int]]:
         """(checksum changes mod 2**64, changes written) per entry, with one host sync."""
         host = self.to_numpy()
         return host[0].view(np.uint64).tolist(), host[1].tolist()
 
-    def to_tensor(self) -> torch.Tensor:
-        """The ``[2, E]`` int64 sums on the host, once the kernel has finished."""
-        if self.stream is not None:
-            self.stream.synchronize()
-            self.stream = None
-        return self.both_2E
-
     def to_numpy(self) -> np.ndarray:
-        """The ``[2, E]`` int64 sums as a host array; view row 0 as uint64 for mod 2**64."""
-        return self.to_tensor().numpy()
+        """The ``[2, E]`` int64 sums as a host array (one copy, one sync); view row 0 as uint64 for mod 2**64."""
+        if self.pinned_2E is None:
+            return self.both_2E.cpu().numpy()
+        self.pinned_2E.copy_(self.both_2E, non_blocking=True)
+        torch.cuda.current_stream(self.both_2E.device).synchronize()
+        return self.pinned_2E.numpy()
 
     def checksums(self) -> list[int]:
         return self.to_host()[0]
@@ -431,19 +427,17 @@ class ApplyPlan:
         self.tables = (torch.cat(tables).to(self.device) if tables
                        else torch.zeros(1, dtype=torch.int64, device=self.device))
         self.addresses = torch.tensor([t.data_ptr() for t in self.targets], dtype=torch.int64, device=self.device)
-        # the kernel's per-entry sums (zero between applies: its last block hands them over and zeroes
-        # them), its block counter, and the host buffer it hands them to (pinned on a GPU)
-        self._sums_2E = torch.zeros(2, max(1, len(layouts)), dtype=torch.int64, device=self.device)
-        self._done = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._host_2E = torch.zeros(2 * len(layouts), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        # host side of ApplyResult.to_host on CUDA, reused by every apply (read a result before the next apply)
+        self._pinned = torch.zeros(2 * len(layouts), dtype=torch.int64, pin_memory=self.device.type == "cuda")
         if self.triton:
             for width in self.widths:  # compile now, outside any pause
                 for add in (True, False):
                     empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+                    sums = torch.zeros(2, 1, dtype=torch.int64, device=self.device)
                     _triton().apply_deltas_launch(empty, torch.zeros(0, dtype=torch.int32, device=self.device),
                                                   torch.zeros(1, dtype=torch.int64, device=self.device), empty,
-                                                  self.layout_T, self.tables, self.addresses, self._sums_2E[0],
-                                                  self._sums_2E[1], self._done, self._host_2E, True, width, add)
+                                                  self.layout_T, self.tables, self.addresses, sums[0], sums[1],
+                                                  width, add)
 
     def apply(self, entry_tensor_E: torch.Tensor, entry_offsets_E1: torch.Tensor, idx_C: torch.Tensor,
               val_C: torch.Tensor, add: bool = True) -> ApplyResult:
@@ -463,18 +457,16 @@ class ApplyPlan:
         entry_offsets_E1 = entry_offsets_E1.to(dev, torch.int64)
         idx_C, val_C = idx_C.to(dev), val_C.to(dev)
         n_entries = entry_tensor_E.numel()
-        if n_entries > self._sums_2E.shape[1]:  # more entries than checkpoint tensors (split entries)
-            self._sums_2E = torch.zeros(2, n_entries, dtype=torch.int64, device=dev)
-        if self._host_2E.numel() < 2 * n_entries:
-            self._host_2E = torch.zeros(2 * n_entries, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        host_2E = self._host_2E[:2 * n_entries].view(2, n_entries)
-        if not n_entries:
-            return ApplyResult(host_2E)
-        for k, width in enumerate(self.widths):  # one launch per element width the plan holds (usually one)
-            _triton().apply_deltas_launch(idx_C, val_C, entry_offsets_E1, entry_tensor_E, self.layout_T, self.tables,
-                                          self.addresses, self._sums_2E[0], self._sums_2E[1], self._done, host_2E,
-                                          k == len(self.widths) - 1, width, add)
-        return ApplyResult(host_2E, torch.cuda.current_stream(dev) if dev.type == "cuda" else None)
+        both_2E = torch.zeros(2, n_entries, dtype=torch.int64, device=dev)  # the kernels add into it atomically
+        if n_entries:
+            for width in self.widths:  # one launch per element width the plan holds (usually one)
+                _triton().apply_deltas_launch(idx_C, val_C, entry_offsets_E1, entry_tensor_E, self.layout_T,
+                                              self.tables, self.addresses, both_2E[0], both_2E[1], width, add)
+        if self.device.type != "cuda":
+            return ApplyResult(both_2E)
+        if self._pinned.numel() < 2 * n_entries:  # more entries than checkpoint tensors (split entries)
+            self._pinned = torch.zeros(2 * n_entries, dtype=torch.int64, pin_memory=True)
+        return ApplyResult(both_2E, self._pinned[:2 * n_entries].view(2, n_entries))
 
 
 def apply_deltas(plan: ApplyPlan, entry_tensor_E: torch.Tensor, entry_offsets_E1: torch.Tensor,

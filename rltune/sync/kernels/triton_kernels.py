@@ -32,9 +32,9 @@ CHECKSUM_BLOCK = 512
 CHECKSUM_TILES = 32
 CHECKSUM_WARPS = 4
 
-DIFF_ROWS = 128  # 32-element rows (one mask word each) per diff block
-DIFF_WARPS = 4
-DIFF_COPY = 64  # changes per copy iteration
+DIFF_ROWS = 128  # 32-element rows (one mask word each) per diff program
+DIFF_COMPACT_WARPS = 4
+DIFF_COPY = 64
 APPLY_BLOCK = 512  # the fastest in 4 of the 5 sweeps of 2026-11-30
 APPLY_WARPS = 4
 
@@ -98,23 +98,15 @@ def checksum_partials(bits_N: torch.Tensor, offset: int, mask: int) -> torch.Ten
 
 # ------------------------------------------------------------------------------------- diff/extract
 #
-# One pass per chunk, one kernel. Each program takes the next block of ROWS x 32 elements in launch
-# order (a ticket), reads old and new once, packs each 32-element row's change flags into a 32-bit
-# word and counts them. Where its changes go in the chunk's output is the sum of the counts of the
-# blocks before it, found by decoupled look-back: the program publishes its count at once, then adds
-# the published counts of the blocks before it until it meets one that already knows its inclusive
-# prefix (usually the block just before), and publishes its own inclusive prefix. Meanwhile it
-# expands its mask words into positions, lowest set bit of every row at a time (as many rounds as
-# the densest row has changes), into its scratch; then it copies (index, new, old) to the output in
-# order, gathering old and new at those positions from the cache its dense read just filled.
-#
-# Measured on the H200 (git a881989, 1 GiB, 1 % changed): the dense read and mask alone run at read
-# bandwidth (0.575 ms); ranking every element and storing its position there cost 0.68-0.85 ms, and
-# the separate gather pass that re-read old and new from memory another 0.4-0.5 ms.
-
-_STATUS_COUNT = tl.constexpr(1 << 61)  # a block's count is published (the value is its count)
-_STATUS_PREFIX = tl.constexpr(1 << 62)  # a block's inclusive prefix is published (the value is that prefix)
-_STATUS_VALUE = tl.constexpr((1 << 61) - 1)
+# Two passes per chunk. Pass 1 reads every element of old and new once. Each program views its
+# block as rows of 32 elements, packs each row's change flags into a 32-bit word, ranks every
+# change by popcounts (the words before it in the block, then the lower bits of its own word) and
+# stores only its position in the block (int16) in the program's scratch region, plus its count.
+# Per element that is a compare and a few 32-bit operations, and one 2-byte store per change
+# (measured on the H200: storing old and new bits here too, as separate fields or packed, cost
+# more than pass 2's gathers). Pass 2 reads each program's positions, gathers old and new bits
+# there and writes (index, new, old) at the exclusive prefix of the counts: contiguous writes,
+# which also suit pinned host memory.
 
 
 @triton.jit
@@ -130,22 +122,15 @@ def _popcount(x, ASM: tl.constexpr):
         return (((v * 0x01010101) & 0xFFFFFFFF) >> 24).to(tl.int32)
 
 
-@triton.jit(do_not_specialize=["n", "offset", "chunk", "capacity"])
-def _diff_kernel(old_ptr, new_ptr, n: tl.int64, offset: tl.int64, chunk: tl.int64, status_P1_ptr, s_pos_ptr,
-                 chunk_start_ptr, out_idx_ptr, out_new_ptr, out_old_ptr, checksum_K_ptr, capacity: tl.int64,
-                 MASK: tl.constexpr, ROWS: tl.constexpr, COPY: tl.constexpr, ASM: tl.constexpr):
-    # status_P1: one int64 per block (zeroed by the launcher) and the ticket counter after them.
-    # ``chunk_start[chunk]`` is where this chunk begins in the output (written by the previous
-    # chunk's last block, on device); each block adds its sum (offset + i + 1) * (new - old) to the
-    # chunk's checksum change.
-    BLOCK: tl.constexpr = ROWS * 32
-    programs = tl.cdiv(n, BLOCK)
-    block = tl.atomic_add(status_P1_ptr + programs, 1).to(tl.int64)  # every block before this one has started
-    base = block * BLOCK
+@triton.jit(do_not_specialize=["n"])
+def _diff_compact_kernel(old_ptr, new_ptr, n: tl.int64, s_pos_ptr, count_P_ptr, ROWS: tl.constexpr,
+                         ASM: tl.constexpr):
+    pid = tl.program_id(0)
+    base = pid.to(tl.int64) * (ROWS * 32)
     row = tl.arange(0, ROWS)
     col = tl.arange(0, 32)
     local = row[:, None] * 32 + col[None, :]  # position inside the block, < 2^15
-    if n - base >= BLOCK:  # a full block: unmasked (vector) loads
+    if n - base >= ROWS * 32:  # a full block: unmasked (vector) loads
         old = tl.load(old_ptr + base + local)
         new = tl.load(new_ptr + base + local)
     else:
@@ -156,30 +141,26 @@ def _diff_kernel(old_ptr, new_ptr, n: tl.int64, offset: tl.int64, chunk: tl.int6
     # distinct powers of two: their sum is their OR (bit 31 wraps to the sign, as a 32-bit word should)
     word = tl.sum(changed << col[None, :], axis=1)
     per_row = _popcount(word, ASM)
-    count = tl.sum(per_row, axis=0).to(tl.int64)
-    tl.atomic_xchg(status_P1_ptr + block, count | _STATUS_COUNT)
-    # look back: add the counts of the blocks before this one until one publishes its inclusive prefix
-    before = count * 0
-    q = block - 1
-    while q >= 0:
-        status = tl.atomic_add(status_P1_ptr + q, before * 0)  # an atomic read (0 = not published yet)
-        before += status & _STATUS_VALUE
-        q = tl.where((status & _STATUS_PREFIX) != 0, -1, tl.where(status != 0, q - 1, q))
-    tl.atomic_xchg(status_P1_ptr + block, (before + count) | _STATUS_PREFIX)
-    # positions into scratch, in order: row r's changes go to its exclusive prefix, lowest bit first
-    slot = tl.cumsum(per_row, axis=0) - per_row
-    bits = word.to(tl.int64) & 0xFFFFFFFF
-    for _ in range(0, tl.max(per_row, axis=0)):
-        live = bits != 0
-        lowest = bits & -bits
-        position = row * 32 + _popcount((lowest - 1).to(tl.int32), ASM)
-        tl.store(s_pos_ptr + base + slot, position.to(tl.int16), mask=live)
-        slot += 1
-        bits = bits & (bits - 1)
-    tl.debug_barrier()  # the scratch written above is read by other threads of the block below
+    below = (1 << col[None, :]) - 1  # bits of the lanes left of each lane in its row
+    rank = (tl.cumsum(per_row, axis=0) - per_row)[:, None] + _popcount(word[:, None] & below, ASM)
+    tl.store(s_pos_ptr + base + rank, local.to(tl.int16), mask=changed != 0)
+    tl.store(count_P_ptr + pid, tl.sum(per_row, axis=0))
+
+
+@triton.jit(do_not_specialize=["offset", "chunk", "capacity", "programs"])
+def _diff_gather_kernel(old_ptr, new_ptr, s_pos_ptr, count_P_ptr, inclusive_P_ptr, chunk_start_ptr,
+                        chunk: tl.int64, offset: tl.int64, out_idx_ptr, out_new_ptr, out_old_ptr, checksum_K_ptr,
+                        capacity: tl.int64, programs: tl.int64, MASK: tl.constexpr, ROWS: tl.constexpr,
+                        COPY: tl.constexpr):
+    # ``start`` is where this chunk begins in the output (written by the previous chunk's pass 2, on
+    # device); each program adds its sum (offset + i + 1) * (new - old) to the chunk's checksum change.
+    pid = tl.program_id(0)
+    count = tl.load(count_P_ptr + pid)
+    inclusive = tl.load(inclusive_P_ptr + pid)
     start = tl.load(chunk_start_ptr + chunk)
     if count > 0:
-        dst0 = start + before
+        dst0 = start + inclusive - count
+        src0 = pid.to(tl.int64) * (ROWS * 32)
         lane = tl.arange(0, COPY)
         total = tl.zeros([COPY], dtype=tl.int64)
         for k in range(0, count, COPY):
@@ -187,16 +168,16 @@ def _diff_kernel(old_ptr, new_ptr, n: tl.int64, offset: tl.int64, chunk: tl.int6
             inside = j < count
             dst = dst0 + j
             fits = inside & (dst < capacity)
-            i = base + tl.load(s_pos_ptr + base + j, mask=inside, other=0).to(tl.int64)
-            new_bits = tl.load(new_ptr + i, mask=inside, other=0).to(tl.int64) & MASK
-            old_bits = tl.load(old_ptr + i, mask=inside, other=0).to(tl.int64) & MASK
+            i = src0 + tl.load(s_pos_ptr + src0 + j, mask=inside, other=0).to(tl.int64)
+            new = tl.load(new_ptr + i, mask=inside, other=0).to(tl.int64) & MASK
+            old = tl.load(old_ptr + i, mask=inside, other=0).to(tl.int64) & MASK
             tl.store(out_idx_ptr + dst, i + offset, mask=fits)
-            tl.store(out_new_ptr + dst, new_bits.to(tl.int32), mask=fits)
-            tl.store(out_old_ptr + dst, old_bits.to(tl.int32), mask=fits)
-            total += tl.where(inside, (offset + i + 1) * (new_bits - old_bits), 0)
+            tl.store(out_new_ptr + dst, new.to(tl.int32), mask=fits)
+            tl.store(out_old_ptr + dst, old.to(tl.int32), mask=fits)
+            total += tl.where(inside, (offset + i + 1) * (new - old), 0)
         tl.atomic_add(checksum_K_ptr + chunk, tl.sum(total, axis=0))
-    if block == programs - 1:
-        tl.store(chunk_start_ptr + chunk + 1, start + before + count)
+    if pid == programs - 1:
+        tl.store(chunk_start_ptr + chunk + 1, start + inclusive)
 
 
 def diff_programs(n: int) -> int:
@@ -204,11 +185,11 @@ def diff_programs(n: int) -> int:
 
 
 def diff_scratch(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device scratch of a diff over chunks of up to ``n`` elements: each block's positions (int16,
-    2 bytes per element) and the blocks' look-back status with the ticket counter after it."""
+    """Device scratch of a diff over chunks of up to ``n`` elements: each program's compacted
+    positions (int16, 2 bytes per element) and the per-program counts."""
     programs = diff_programs(n)
     return (torch.empty(programs * DIFF_ROWS * 32, dtype=torch.int16, device=device),
-            torch.zeros(programs + 1, dtype=torch.int64, device=device))
+            torch.empty(programs, dtype=torch.int32, device=device))
 
 
 def _interpreted() -> bool:
@@ -219,15 +200,17 @@ def diff_extract_launch(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offs
                         scratch: tuple[torch.Tensor, torch.Tensor], chunk_start: torch.Tensor, chunk: int,
                         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], capacity: int,
                         checksum_K: torch.Tensor) -> None:
-    """Chunk ``chunk`` in one kernel: writes ``chunk_start[chunk + 1]`` and adds the chunk's checksum
+    """Both passes of chunk ``chunk``: writes ``chunk_start[chunk + 1]`` and adds the chunk's checksum
     change to ``checksum_K[chunk]`` (int64, zeroed by the caller), all on device, no host sync."""
     n = old_bits_N.numel()
     programs = diff_programs(n)
-    s_pos, status = scratch
-    status[:programs + 1].zero_()
-    _diff_kernel[(programs,)](old_bits_N, new_bits_N, n, offset, chunk, status, s_pos, chunk_start, out[0], out[1],
-                              out[2], checksum_K, capacity, MASK=mask, ROWS=DIFF_ROWS, COPY=DIFF_COPY,
-                              ASM=not _interpreted(), num_warps=DIFF_WARPS)
+    s_pos, count_P = scratch
+    _diff_compact_kernel[(programs,)](old_bits_N, new_bits_N, n, s_pos, count_P, ROWS=DIFF_ROWS,
+                                      ASM=not _interpreted(), num_warps=DIFF_COMPACT_WARPS)
+    inclusive_P = torch.cumsum(count_P[:programs], dim=0, dtype=torch.int64)
+    _diff_gather_kernel[(programs,)](old_bits_N, new_bits_N, s_pos, count_P, inclusive_P, chunk_start, chunk, offset,
+                                     out[0], out[1], out[2], checksum_K, capacity, programs, MASK=mask,
+                                     ROWS=DIFF_ROWS, COPY=DIFF_COPY, num_warps=max(1, min(4, DIFF_COPY // 64)))
 
 
 # --------------------------------------------------------------------------------------- fused apply
@@ -266,15 +249,11 @@ def _find_entry(entry_offsets_ptr, j, n_entries, search_steps):
     return lo
 
 
-@triton.jit(do_not_specialize=["n_changes", "n_entries", "search_steps", "publish"])
+@triton.jit(do_not_specialize=["n_changes", "n_entries", "search_steps"])
 def _apply_deltas_kernel(idx_C_ptr, val_C_ptr, n_changes: tl.int64, entry_offsets_ptr, entry_tensor_ptr,
                          n_entries: tl.int64, search_steps: tl.int32, layout_ptr, table_ptr, address_ptr,
-                         checksum_E_ptr, written_E_ptr, done_ptr, host_2E_ptr, publish: tl.int32,
-                         WIDTH: tl.constexpr, ADD: tl.constexpr, COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
-    # checksum_E / written_E: per-entry sums the blocks add into (zero on entry). The launch's last
-    # block to finish (a counter in done) hands them to host_2E (pinned host memory on a GPU; with
-    # ``publish``, i.e. in the last launch of an apply) and leaves sums and counter zeroed for the
-    # next apply: no memset before the kernel, no copy after it.
+                         checksum_E_ptr, written_E_ptr, WIDTH: tl.constexpr, ADD: tl.constexpr,
+                         COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     j0 = pid.to(tl.int64) * BLOCK
     j = j0 + tl.arange(0, BLOCK)
@@ -341,31 +320,19 @@ def _apply_deltas_kernel(idx_C_ptr, val_C_ptr, n_changes: tl.int64, entry_offset
             others = live & (entry != first)
             tl.atomic_add(checksum_E_ptr + entry, contribution, mask=others)
             tl.atomic_add(written_E_ptr + entry, written, mask=others)
-    if tl.atomic_add(done_ptr, 1) == tl.num_programs(0) - 1:  # acq_rel: every block's sums are in
-        if publish != 0:
-            lane = tl.arange(0, 256)
-            for e0 in range(0, n_entries, 256):
-                e = e0 + lane
-                inside = e < n_entries
-                zero = e.to(tl.int64) * 0
-                tl.store(host_2E_ptr + e, tl.atomic_xchg(checksum_E_ptr + e, zero, mask=inside), mask=inside)
-                tl.store(host_2E_ptr + n_entries + e, tl.atomic_xchg(written_E_ptr + e, zero, mask=inside),
-                         mask=inside)
-        tl.atomic_xchg(done_ptr, 0)
 
 
 def apply_deltas_launch(idx_C: torch.Tensor, val_C: torch.Tensor, entry_offsets_E1: torch.Tensor,
                         entry_tensor_E: torch.Tensor, layout: torch.Tensor, tables: torch.Tensor,
-                        addresses: torch.Tensor, checksum_E: torch.Tensor, written_E: torch.Tensor,
-                        done: torch.Tensor, host_2E: torch.Tensor, publish: bool, width: int, add: bool) -> None:
+                        addresses: torch.Tensor, checksum_E: torch.Tensor, written_E: torch.Tensor, width: int,
+                        add: bool) -> None:
     n_changes = idx_C.numel()
     n_entries = entry_tensor_E.numel()
     steps = max(1, int(n_entries).bit_length())
     programs = max(1, triton.cdiv(n_changes, APPLY_BLOCK))
     _apply_deltas_kernel[(programs,)](idx_C, val_C, n_changes, entry_offsets_E1, entry_tensor_E, n_entries, steps,
-                                      layout, tables, addresses, checksum_E, written_E, done, host_2E, int(publish),
-                                      WIDTH=width, ADD=add, COLUMNS=LAYOUT_COLUMNS, BLOCK=APPLY_BLOCK,
-                                      num_warps=APPLY_WARPS)
+                                      layout, tables, addresses, checksum_E, written_E, WIDTH=width, ADD=add,
+                                      COLUMNS=LAYOUT_COLUMNS, BLOCK=APPLY_BLOCK, num_warps=APPLY_WARPS)
 
 
 # ---------------------------------------------------------------------------------- positional apply
@@ -398,7 +365,8 @@ def apply_positions_launch(target_bits_N: torch.Tensor, pos_C: torch.Tensor, dif
 
 KERNELS = {
     "checksum": _checksum_kernel,
-    "diff": _diff_kernel,
+    "diff_compact": _diff_compact_kernel,
+    "diff_gather": _diff_gather_kernel,
     "apply_deltas": _apply_deltas_kernel,
     "apply_positions": _apply_positions_kernel,
 }
