@@ -254,6 +254,48 @@ def test_kernels_equal_references_at_real_sizes_on_cuda():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fraction", [0.0, 0.002, 0.3, 1.0])
+def test_change_sink_over_many_chunks_twice_on_cuda(fraction):
+    # thousands of blocks per chunk, four chunks, twice: nothing of one step leaks into the next
+    n, chunk = (1 << 24) + 777, 1 << 22
+    old = random_bits(n, 16, seed=21, device="cuda")
+    new = (old ^ 1) if fraction == 1.0 else perturb(old, fraction, seed=22)
+    want = R.diff_extract_ref(old, new, 0)
+    sink = K.ChangeSink(capacity=n, max_chunk_elements=chunk, max_chunks=8, device="cuda")
+    for _ in range(2):
+        sink.reset()
+        for k, a in enumerate(range(0, n, chunk)):
+            sink.append(old[a:a + chunk], new[a:a + chunk], offset=a, key=k)
+        sink.finish()
+        chunks = sink.collect()
+        got = [torch.cat([getattr(c, f) for c in chunks]) for f in ("idx_C", "new_C", "old_C")]
+        assert all(torch.equal(g, w.cpu()) for g, w in zip(got, want[:3], strict=True))
+        assert sum(c.checksum_change for c in chunks) & R.MASK64 == want[3]
+
+
+@pytest.mark.gpu
+def test_fused_apply_with_unaligned_inputs_and_many_entries_on_cuda():
+    # inputs that start 8 bytes into their storage are not 16-byte aligned: the launcher must not
+    # run the kernel compiled for aligned ones; 300 entries grow the plan's sums buffers
+    params = [random_bits(5000, 16, seed=s, device="cuda") for s in range(3)]
+    plan = K.ApplyPlan(params, [K.strided_layout(t, [5000]) for t in range(3)])
+    for shift in (0, 1, 0):
+        # 100 entries per tensor (split entries), 7 changes each, no element twice in one delta
+        entries = torch.arange(3).repeat_interleave(100)
+        offsets = torch.arange(301) * 7
+        idx = torch.cat([torch.randperm(5000)[:700].view(100, 7).sort(dim=1).values.reshape(-1) for _ in range(3)])
+        val = random_bits(idx.numel(), 16, seed=shift + 9, device="cpu").to(torch.int32)
+        padded_idx = torch.cat([torch.zeros(shift, dtype=torch.int64), idx]).cuda()
+        padded_val = torch.cat([torch.zeros(shift, dtype=torch.int32), val]).cuda()
+        ref = [p.cpu().clone() for p in params]
+        want_sums, want_written = R.apply_deltas_ref(ref, [K.strided_layout(t, [5000]) for t in range(3)], entries,
+                                                     offsets, idx, val, add=False)
+        got = plan.apply(entries, offsets, padded_idx[shift:], padded_val[shift:], add=False)
+        assert got.checksums() == want_sums and got.written() == want_written
+        assert all(torch.equal(p.cpu(), r) for p, r in zip(params, ref, strict=True))
+
+
+@pytest.mark.gpu
 def test_fused_apply_compiles_once_per_plan_not_per_delta():
     from rltune.sync.kernels.triton_kernels import KERNELS, compiled_variants
 

@@ -355,35 +355,39 @@ def layouts_from_index_map(index_map, shapes: dict[str, list[int]]) -> tuple[lis
 
 @dataclass
 class ApplyResult:
-    """Per delta entry: running-checksum change (int64 bits, mod 2**64) and changes written; on the device.
+    """Per delta entry: running-checksum change (int64 bits, mod 2**64) and changes written.
 
-    Both rows live in one ``[2, E]`` tensor, so :meth:`to_host` reads them with one copy and one sync
-    (into the plan's pinned buffer on CUDA: an asynchronous copy, then a wait on the stream).
+    Both rows live in one ``[2, E]`` host tensor. On a GPU it is the plan's pinned buffer, filled by
+    a copy queued behind the kernel: reading it waits for ``stream`` once. The buffer is reused by
+    the plan's next apply: read a result before applying again.
     """
 
     both_2E: torch.Tensor
-    pinned_2E: torch.Tensor | None = None
+    stream: Any = None  # the CUDA stream the copy runs on; None once the sums are on the host
 
     @property
     def checksum_E(self) -> torch.Tensor:
-        return self.both_2E[0]
+        return self.to_tensor()[0]
 
     @property
     def written_E(self) -> torch.Tensor:
-        return self.both_2E[1]
+        return self.to_tensor()[1]
 
     def to_host(self) -> tuple[list[int], list[int]]:
         """(checksum changes mod 2**64, changes written) per entry, with one host sync."""
         host = self.to_numpy()
         return host[0].view(np.uint64).tolist(), host[1].tolist()
 
+    def to_tensor(self) -> torch.Tensor:
+        """The ``[2, E]`` int64 sums on the host (waits for the copy once)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+            self.stream = None
+        return self.both_2E
+
     def to_numpy(self) -> np.ndarray:
-        """The ``[2, E]`` int64 sums as a host array (one copy, one sync); view row 0 as uint64 for mod 2**64."""
-        if self.pinned_2E is None:
-            return self.both_2E.cpu().numpy()
-        self.pinned_2E.copy_(self.both_2E, non_blocking=True)
-        torch.cuda.current_stream(self.both_2E.device).synchronize()
-        return self.pinned_2E.numpy()
+        """The ``[2, E]`` int64 sums as a host array; view row 0 as uint64 for mod 2**64."""
+        return self.to_tensor().numpy()
 
     def checksums(self) -> list[int]:
         return self.to_host()[0]
@@ -427,17 +431,21 @@ class ApplyPlan:
         self.tables = (torch.cat(tables).to(self.device) if tables
                        else torch.zeros(1, dtype=torch.int64, device=self.device))
         self.addresses = torch.tensor([t.data_ptr() for t in self.targets], dtype=torch.int64, device=self.device)
-        # host side of ApplyResult.to_host on CUDA, reused by every apply (read a result before the next apply)
-        self._pinned = torch.zeros(2 * len(layouts), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        # The kernel adds per-entry sums into _sums (checksum changes, then counts, each row padded to an
+        # even length so both rows stay 16-byte aligned, as the compiled kernel expects); they are zeroed
+        # again right after each apply's copy into _host (pinned on a GPU), so nothing runs before the
+        # kernel in the pause.
+        rows = len(layouts) + len(layouts) % 2
+        self._sums = torch.zeros(2 * rows, dtype=torch.int64, device=self.device)
+        self._host = torch.zeros(2 * rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         if self.triton:
             for width in self.widths:  # compile now, outside any pause
                 for add in (True, False):
                     empty = torch.zeros(0, dtype=torch.int64, device=self.device)
-                    sums = torch.zeros(2, 1, dtype=torch.int64, device=self.device)
                     _triton().apply_deltas_launch(empty, torch.zeros(0, dtype=torch.int32, device=self.device),
                                                   torch.zeros(1, dtype=torch.int64, device=self.device), empty,
-                                                  self.layout_T, self.tables, self.addresses, sums[0], sums[1],
-                                                  width, add)
+                                                  self.layout_T, self.tables, self.addresses, self._sums[:0],
+                                                  self._sums[:0], width, add)
 
     def apply(self, entry_tensor_E: torch.Tensor, entry_offsets_E1: torch.Tensor, idx_C: torch.Tensor,
               val_C: torch.Tensor, add: bool = True) -> ApplyResult:
@@ -457,16 +465,19 @@ class ApplyPlan:
         entry_offsets_E1 = entry_offsets_E1.to(dev, torch.int64)
         idx_C, val_C = idx_C.to(dev), val_C.to(dev)
         n_entries = entry_tensor_E.numel()
-        both_2E = torch.zeros(2, n_entries, dtype=torch.int64, device=dev)  # the kernels add into it atomically
+        rows = n_entries + n_entries % 2
+        if 2 * rows > self._sums.numel():  # more entries than checkpoint tensors (split entries)
+            self._sums = torch.zeros(2 * rows, dtype=torch.int64, device=dev)
+            self._host = torch.zeros(2 * rows, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        sums, host = self._sums[:2 * rows], self._host[:2 * rows]
         if n_entries:
             for width in self.widths:  # one launch per element width the plan holds (usually one)
                 _triton().apply_deltas_launch(idx_C, val_C, entry_offsets_E1, entry_tensor_E, self.layout_T,
-                                              self.tables, self.addresses, both_2E[0], both_2E[1], width, add)
-        if self.device.type != "cuda":
-            return ApplyResult(both_2E)
-        if self._pinned.numel() < 2 * n_entries:  # more entries than checkpoint tensors (split entries)
-            self._pinned = torch.zeros(2 * n_entries, dtype=torch.int64, pin_memory=True)
-        return ApplyResult(both_2E, self._pinned[:2 * n_entries].view(2, n_entries))
+                                              self.tables, self.addresses, sums[:rows], sums[rows:], width, add)
+            host.copy_(sums, non_blocking=True)
+            sums.zero_()  # queued after the copy: ready for the next apply, off its critical path
+        host_2E = host.view(2, rows)[:, :n_entries]
+        return ApplyResult(host_2E, torch.cuda.current_stream(dev) if dev.type == "cuda" else None)
 
 
 def apply_deltas(plan: ApplyPlan, entry_tensor_E: torch.Tensor, entry_offsets_E1: torch.Tensor,
