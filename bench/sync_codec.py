@@ -163,6 +163,35 @@ def measure_threads(deltas, repeats: int) -> dict:
     return out
 
 
+def measure_gpu(deltas, repeats: int) -> dict:
+    """The same step's tensors encoded on the GPU (``codec_gpu.encode_many_gpu``) from changes on the
+    device, and the copy that would bring them there from pinned host memory; the bytes must equal
+    the host codec's."""
+    from rltune.sync.codec_gpu import encode_many_gpu
+
+    host_jobs = [(idx, diff.astype(np.int64), 16, 0, numel) for numel, idx, diff in deltas.values()]
+    pinned = [(torch.from_numpy(i).pin_memory(), torch.from_numpy(d).pin_memory()) for i, d, *_ in host_jobs]
+    changes = sum(len(j[0]) for j in host_jobs)
+    copy_t, times = [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        on_device = [(i.to("cuda", non_blocking=True), d.to("cuda", non_blocking=True)) for i, d in pinned]
+        torch.cuda.synchronize()
+        copy_t.append(time.perf_counter() - t0)
+    jobs = [(i, d, *job[2:]) for (i, d), job in zip(on_device, host_jobs, strict=True)]
+    encode_many_gpu(jobs)  # first call compiles the kernels
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        blobs = encode_many_gpu(jobs)  # returns host bytes: the GPU work is done when it returns
+        times.append(time.perf_counter() - t0)
+    if blobs != [codec.encode(*j) for j in host_jobs]:
+        raise SystemExit("the GPU encoder's bytes differ from the host codec's")
+    return dict(seconds=stats(times), changes_per_s=stats([changes / t for t in times]), h2d_copy_seconds=stats(copy_t),
+                bytes_equal=True)
+
+
 def stats(xs):
     return dict(min=min(xs), median=statistics.median(xs), max=max(xs))
 
@@ -231,13 +260,19 @@ def main() -> None:
                         encode_changes_per_s=stats([changes / t for t in enc_t]),
                         decode_changes_per_s=stats([changes / t for t in dec_t]),
                         encode_many=measure_threads(deltas, args.repeats))
+            if args.device == "cuda":
+                case["encode_gpu"] = measure_gpu(deltas, args.repeats)
+                case["encode_gpu"]["speedup_over_all_threads"] = (case["encode_many"]["all_threads"]["seconds"]["median"]
+                                                                  / case["encode_gpu"]["seconds"]["median"])
             cases.append(case)
             print(f"{master} lr={lr:g}: {changes} changes ({frac[-1]:.2%}), codec {case['codec_bytes_per_change']:.3f} "
                   f"B/change, bound {case['bound_bytes_per_change']:.3f} (x{case['ratio_to_bound']:.3f}), zstd "
                   f"{case['zstd_bytes_per_change']:.3f} (x{case['ratio_to_zstd']:.3f}), enc "
                   f"{case['encode_changes_per_s']['median'] / 1e6:.1f} M/s, dec "
                   f"{case['decode_changes_per_s']['median'] / 1e6:.1f} M/s; step on {case['encode_many']['threads']} "
-                  f"threads x{case['encode_many']['speedup']:.2f}", file=sys.stderr)
+                  f"threads x{case['encode_many']['speedup']:.2f}"
+                  + (f"; GPU encode {case['encode_gpu']['changes_per_s']['median'] / 1e6:.1f} M/s"
+                     if "encode_gpu" in case else ""), file=sys.stderr)
     record = dict(benchmark="sync_codec", config=vars(args), device=args.device, device_name=device_name,
                   versions=versions(), git_sha=git_sha(), time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   cases=cases)
