@@ -36,48 +36,53 @@ def _zigzag(d: torch.Tensor) -> torch.Tensor:
     return (d << 1) ^ (d >> 63)
 
 
-def _bit_length(z: torch.Tensor) -> torch.Tensor:
-    """Bits needed for each non-negative int64 below 2^63 (0 for 0), exactly, by binary search."""
-    nb = torch.zeros_like(z)
-    t = z.clone()
-    for s in (32, 16, 8, 4, 2, 1):
-        big = (t >> s) > 0
-        nb += big * s
-        t = torch.where(big, t >> s, t)
-    return nb + (t > 0)
+def _symbols(zz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The host's _symbolize: (symbol, extra bits, extra value) per zigzag value."""
+    nb = torch.frexp(zz.to(torch.float64)).exponent.to(torch.int64)  # bit length, exact below 2^53
+    large = zz >= C.N_DIRECT
+    sym = torch.where(large, C.N_DIRECT + nb - 7, zz).to(torch.int32)
+    extra_bits = torch.where(large, nb - 1, 0)
+    extra_val = torch.where(large, zz - (torch.ones_like(zz) << torch.clamp(nb - 1, min=0)), 0)
+    return sym, extra_bits, extra_val
 
 
-def _segment_sum(values: torch.Tensor, segment: torch.Tensor, segments: int) -> torch.Tensor:
-    out = torch.zeros(segments, dtype=torch.int64, device=values.device)
-    return out.index_add_(0, segment, values.to(torch.int64))
+def _padded_cumsum(values: torch.Tensor) -> torch.Tensor:
+    c = torch.cumsum(values.to(torch.int64), 0)
+    return torch.cat([c.new_zeros(1), c])
 
 
-def _exclusive_in_segments(lengths: torch.Tensor, segment: torch.Tensor, segments: int) -> torch.Tensor:
-    """Each item's offset inside its segment (the items of a segment are contiguous, segments in order)."""
-    before = torch.cumsum(lengths, 0) - lengths
-    first_of_segment = torch.zeros(segments, dtype=torch.int64, device=lengths.device)
-    counts = torch.bincount(segment, minlength=segments)
-    starts = torch.cumsum(counts, 0) - counts  # index of each segment's first item
-    nonempty = counts > 0
-    first_of_segment[nonempty] = before[starts[nonempty]]
-    return before - first_of_segment[segment]
+def _segment_sums(values: torch.Tensor, bounds_S1: torch.Tensor) -> torch.Tensor:
+    """Sums over contiguous segments ``bounds[s] .. bounds[s + 1]`` (no atomics: a cumsum and two reads)."""
+    c = _padded_cumsum(values)
+    return c[bounds_S1[1:]] - c[bounds_S1[:-1]]
 
 
-def _rice_costs(gaps: torch.Tensor, segment: torch.Tensor, k_SK: torch.Tensor) -> torch.Tensor:
-    """Rice bits of each segment's gaps for each of its candidate parameters ``k_SK`` [segments, K]."""
-    out = torch.zeros_like(k_SK)
-    for j in range(k_SK.shape[1]):
-        k = k_SK[segment, j]
-        q = gaps >> k
-        bits = torch.where(q >= C.RICE_ESCAPE_Q, C.RICE_ESCAPE_Q + C.RICE_RAW_BITS, q + 1 + k)
-        out[:, j].index_add_(0, segment, bits)
-    return out
+def _offsets_in_segments(lengths: torch.Tensor, segment: torch.Tensor, bounds_S1: torch.Tensor) -> torch.Tensor:
+    """Each item's exclusive prefix of ``lengths`` inside its contiguous segment."""
+    c = _padded_cumsum(lengths)
+    return c[:-1] - c[bounds_S1[:-1]][segment]
+
+
+def _rice_fields(gaps: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each gap's two Rice fields: (unary part or escape: its value, its bits; low or raw bits: their count)."""
+    q = gaps >> k
+    escape = q >= C.RICE_ESCAPE_Q
+    a_val = torch.where(escape, (1 << C.RICE_ESCAPE_Q) - 1, (torch.ones_like(q) << torch.clamp(q, max=62)) - 1)
+    return a_val, torch.where(escape, C.RICE_ESCAPE_Q, q + 1), torch.where(escape, C.RICE_RAW_BITS, k)
 
 
 def _k_window(gap_sum: int, n_gaps: int, hi: int) -> list[int]:
     # exactly the host codec's candidates: numpy's mean of int64 gaps is sum / n in float64
     k0 = max(0, int(math.log2(float(gap_sum) / n_gaps + 1.0)))
     return list(range(max(0, k0 - 1), min(hi, k0 + 2) + 1))
+
+
+def _dense_wins(hist65: np.ndarray, rice_bits: int, numel: int, changes: int) -> bool:
+    # the host's _dense_is_smaller, from the same counts and Rice bits
+    h = hist65.copy()
+    sparse_bits = rice_bits + C._entropy_bits(h)
+    h[0] = numel - changes
+    return C._entropy_bits(h) * 1.04 < sparse_bits
 
 
 def encode_many_gpu(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, int]], mode: str = "auto") -> list[bytes]:
@@ -97,201 +102,188 @@ def encode_many_gpu(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, i
             raise ValueError(f"every job's tensors must be on {dev}")
         counts.append(int(idx.shape[0]))
         meta.append((int(bits), int(start), int(stop)))
-    n_jobs = len(jobs)
-    counts_J = torch.tensor(counts, dtype=torch.int64, device=dev)
-    total = sum(counts)
+    n_jobs, total = len(jobs), sum(counts)
+    numel_J = [m[2] - m[1] for m in meta]
+
+    def on_dev(a) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(a, dtype=np.int64), device=dev)
+
+    # segments over the concatenated changes: jobs, and sparse blocks (BLOCK_CHANGES changes of one job)
+    job_b = np.cumsum([0] + counts)
+    sb_b = np.concatenate([np.arange(job_b[j], job_b[j + 1], C.BLOCK_CHANGES) for j in range(n_jobs)] + [[total]])
+    sb_job = np.concatenate([np.full(-(-counts[j] // C.BLOCK_CHANGES), j) for j in range(n_jobs)])
+    n_sb = len(sb_b) - 1
+    sb_count = np.diff(sb_b)
+    job_b_dev, sb_b_dev = on_dev(job_b), on_dev(sb_b)
     idx_C = torch.cat([j[0].reshape(-1).to(torch.int64) for j in jobs])
     diff_C = torch.cat([j[1].reshape(-1).to(torch.int64) for j in jobs])
-    job_C = torch.repeat_interleave(torch.arange(n_jobs, device=dev), counts_J, output_size=total)
-    job_start = np.cumsum([0] + counts)
-    start_J = torch.tensor([m[1] for m in meta], dtype=torch.int64, device=dev)
-    stop_J = torch.tensor([m[2] for m in meta], dtype=torch.int64, device=dev)
-    lim_J = torch.tensor([1 << (m[0] - 1) for m in meta], dtype=torch.int64, device=dev)
-    first_C = torch.zeros(total, dtype=torch.bool, device=dev)
-    first_C[torch.as_tensor(job_start[:-1], device=dev)] = True
+    job_C = torch.repeat_interleave(on_dev(range(n_jobs)), on_dev(counts), output_size=total)
+    sb_C = torch.repeat_interleave(on_dev(range(n_sb)), on_dev(sb_count), output_size=total)
+    job_first = torch.zeros(total, dtype=torch.bool, device=dev)
+    job_first[job_b_dev[:-1]] = True
+    block_first = torch.zeros(total, dtype=torch.bool, device=dev)
+    block_first[sb_b_dev[:-1]] = True
 
-    # --- checks, zigzag, gaps (all jobs at once) and the sums the host decides from (read 1)
+    # --- 1. checks, zigzag, gaps, symbols; per job and per sparse block: the sums the host decides from
     prev = torch.cat([idx_C[:1], idx_C[:-1]])
-    bad_idx = (idx_C < start_J[job_C]) | (idx_C >= stop_J[job_C]) | (~first_C & (idx_C <= prev))
-    bad_diff = (diff_C == 0) | (diff_C < -lim_J[job_C]) | (diff_C >= lim_J[job_C])
+    bad_idx = (idx_C < on_dev([m[1] for m in meta])[job_C]) | (idx_C >= on_dev([m[2] for m in meta])[job_C]) \
+        | (~job_first & (idx_C <= prev))
+    lim = on_dev([1 << (m[0] - 1) for m in meta])[job_C]
+    bad_diff = (diff_C == 0) | (diff_C < -lim) | (diff_C >= lim)
     zz_C = _zigzag(diff_C)
-    gap_C = torch.where(first_C, 0, idx_C - prev - 1)
-    # sparse blocks: BLOCK_CHANGES changes of one job each
-    rank_C = torch.arange(total, device=dev) - torch.as_tensor(job_start[:-1], device=dev)[job_C]
-    blocks_J = [-(-c // C.BLOCK_CHANGES) for c in counts]
-    block_base_J = torch.as_tensor(np.cumsum([0] + blocks_J)[:-1], device=dev)
-    sblock_C = block_base_J[job_C] + rank_C // C.BLOCK_CHANGES
-    n_sblocks = sum(blocks_J)
-    in_block_gap_C = (rank_C % C.BLOCK_CHANGES) != 0  # the block's first change carries no gap
-    hist_J = _segment_sum(torch.ones_like(zz_C), job_C * (C.N_DIRECT + 1) + torch.clamp(zz_C, max=C.N_DIRECT),
-                          n_jobs * (C.N_DIRECT + 1)).view(n_jobs, C.N_DIRECT + 1)
-    sums = torch.cat([_segment_sum(bad_idx, job_C, n_jobs), _segment_sum(bad_diff, job_C, n_jobs),
-                      _segment_sum(gap_C, job_C, n_jobs),
-                      _segment_sum(torch.where(in_block_gap_C, gap_C, 0), sblock_C, n_sblocks),
-                      hist_J.reshape(-1)]).cpu().numpy()
-    bad_idx_J, bad_diff_J, gap_sum_J = sums[:n_jobs], sums[n_jobs:2 * n_jobs], sums[2 * n_jobs:3 * n_jobs]
-    sblock_gap_sum = sums[3 * n_jobs:3 * n_jobs + n_sblocks]
-    hist_J = sums[3 * n_jobs + n_sblocks:].reshape(n_jobs, C.N_DIRECT + 1)
+    gap_C = torch.where(job_first, 0, idx_C - prev - 1)  # gaps of the job (the host's _dense_is_smaller)
+    block_gap_C = torch.where(block_first, 0, gap_C)  # gaps inside each block (the host's _encode_block)
+    sym_C, extra_bits_C, extra_val_C = _symbols(zz_C)
+    sb_hist = EK.segment_histograms(sym_C, sb_b_dev)
+    read = torch.cat([_segment_sums(bad_idx, job_b_dev), _segment_sums(bad_diff, job_b_dev),
+                      _segment_sums(gap_C, job_b_dev), _segment_sums(block_gap_C, sb_b_dev),
+                      sb_hist.reshape(-1).to(torch.int64)]).cpu().numpy()
+    bad_idx_J, bad_diff_J, gap_sum_J, rest = read[:n_jobs], read[n_jobs:2 * n_jobs], read[2 * n_jobs:3 * n_jobs], \
+        read[3 * n_jobs:]
+    sb_gap_sum, sb_hist = rest[:n_sb], rest[n_sb:].reshape(n_sb, EK.HIST_BINS)
     for j in range(n_jobs):
         if bad_idx_J[j]:
             raise ValueError("indices must be unique, ascending and inside [start, stop)")
         if bad_diff_J[j]:
             raise ValueError(f"differences must be non-zero and inside [-2^{meta[j][0] - 1}, 2^{meta[j][0] - 1})")
 
-    # --- Rice candidates: per job where dense might win (the host's estimate), per sparse block (read 2)
-    candidates_J = {j: _k_window(int(gap_sum_J[j]), counts[j] - 1, C.RICE_RAW_BITS + 10)[:4]
-                    for j in range(n_jobs) if mode == "auto" and counts[j] > 1 and counts[j] * 16 >= meta[j][2] - meta[j][1]}
-    block_counts = [min(C.BLOCK_CHANGES, counts[j] - r) for j in range(n_jobs) for r in range(0, counts[j], C.BLOCK_CHANGES)]
-    candidates_B = [_k_window(int(sblock_gap_sum[b]), block_counts[b] - 1, C.RICE_RAW_BITS - 1) if block_counts[b] > 1
-                    else [0] for b in range(n_sblocks)]
-    k_SK = np.zeros((n_sblocks + n_jobs, 4), dtype=np.int64)
-    for b, ks in enumerate(candidates_B):
-        k_SK[b, :len(ks)] = ks
-    for j, ks in candidates_J.items():
-        k_SK[n_sblocks + j, :len(ks)] = ks
-    k_SK_dev = torch.as_tensor(k_SK, device=dev)
-    has_gap = ~first_C
-    costs_block = _rice_costs(gap_C[in_block_gap_C], sblock_C[in_block_gap_C], k_SK_dev[:n_sblocks].contiguous())
-    costs_job = _rice_costs(gap_C[has_gap], job_C[has_gap], k_SK_dev[n_sblocks:].contiguous())
-    costs = torch.cat([costs_block, costs_job]).cpu().numpy()
+    # --- 2. Rice costs of the candidate parameters: per sparse block, and per job where dense may win
+    dense_candidates = [j for j in range(n_jobs) if mode == "auto" and counts[j] * 16 >= numel_J[j]]
+    k_sb = np.zeros((n_sb, 4), dtype=np.int64)
+    n_k_sb = np.ones(n_sb, dtype=np.int64)
+    for b in range(n_sb):
+        if sb_count[b] > 1:
+            ks = _k_window(int(sb_gap_sum[b]), int(sb_count[b]) - 1, C.RICE_RAW_BITS - 1)
+            k_sb[b, :len(ks)], n_k_sb[b] = ks, len(ks)
+    k_job = np.zeros((n_jobs, 4), dtype=np.int64)
+    for j in dense_candidates:
+        if counts[j] > 1:
+            ks = _k_window(int(gap_sum_J[j]), counts[j] - 1, 99)
+            k_job[j, :len(ks)] = ks
+    k_sb_dev, k_job_dev = on_dev(k_sb), on_dev(k_job)
+    sb_cost, job_cost = [], []
+    for slot in range(4):
+        _, a, b = _rice_fields(gap_C, k_sb_dev[sb_C, slot])
+        sb_cost.append(_segment_sums(torch.where(block_first, 0, a + b), sb_b_dev))
+        if dense_candidates:
+            _, a, b = _rice_fields(gap_C, k_job_dev[job_C, slot])
+            job_cost.append(_segment_sums(torch.where(job_first, 0, a + b), job_b_dev))
+    read = torch.cat([torch.stack(sb_cost, 1).reshape(-1)] + ([torch.stack(job_cost, 1).reshape(-1)]
+                                                               if dense_candidates else [])).cpu().numpy()
+    sb_cost = read[:4 * n_sb].reshape(n_sb, 4)
+    job_cost = read[4 * n_sb:].reshape(-1, 4)
+    rice_k_sb = np.array([k_sb[b, min(range(n_k_sb[b]), key=lambda s, b=b: (int(sb_cost[b, s]), s))]
+                          for b in range(n_sb)], dtype=np.int64)
+    rice_k_sb[sb_count <= 1] = 0
 
-    dense_J = [False] * n_jobs
-    for j in range(n_jobs):
-        if mode == "dense":
-            dense_J[j] = True
-        elif j in candidates_J:
-            rice = min(int(costs[n_sblocks + j, s]) for s in range(len(candidates_J[j])))
-            h = hist_J[j].copy()
-            sparse_bits = rice + C._entropy_bits(h)
-            h[0] = meta[j][2] - meta[j][1] - counts[j]
-            dense_J[j] = C._entropy_bits(h) * 1.04 < sparse_bits
-        elif mode == "auto" and counts[j] == 1 and 16 >= meta[j][2] - meta[j][1]:
-            # one change in a range of at most 16 elements: no gaps, the host's estimate is symbols only
-            h = hist_J[j].copy()
-            sparse_bits = C._entropy_bits(h)
-            h[0] = meta[j][2] - meta[j][1] - 1
-            dense_J[j] = C._entropy_bits(h) * 1.04 < sparse_bits
+    dense_J = [mode == "dense"] * n_jobs
+    for j in dense_candidates:
+        hist = np.zeros(C.N_DIRECT + 1, dtype=np.int64)
+        for b in np.flatnonzero(sb_job == j):
+            hist[:C.N_DIRECT] += sb_hist[b, :C.N_DIRECT]
+            hist[C.N_DIRECT] += sb_hist[b, C.N_DIRECT:C.N_SYMBOLS_MAX].sum()
+        ks = _k_window(int(gap_sum_J[j]), counts[j] - 1, 99) if counts[j] > 1 else []
+        rice = min((int(job_cost[j, s]) for s in range(len(ks))), default=0)
+        dense_J[j] = _dense_wins(hist, rice, numel_J[j], counts[j])
 
-    # --- the blocks actually coded: sparse blocks of sparse jobs, element blocks of dense jobs
-    rice_k_S = [0] * n_sblocks
-    for b, ks in enumerate(candidates_B):
-        if block_counts[b] > 1:
-            rice_k_S[b] = min(range(len(ks)), key=lambda s, b=b: (int(costs[b, s]), s))
-            rice_k_S[b] = ks[rice_k_S[b]]
-    # blocks: (job, count, first element (dense) or index of the first change (sparse), sparse block or None)
-    pieces, blocks = [], []
-    sblock_first = np.cumsum([0] + blocks_J)
+    # --- 3. the coded blocks: sparse blocks of sparse jobs, element blocks of dense jobs
+    blocks = []  # (job, count, sparse block or -1, first element of a dense block)
     for j in range(n_jobs):
-        bits, start, stop = meta[j]
-        changes = slice(int(job_start[j]), int(job_start[j + 1]))
         if dense_J[j]:
-            dense = torch.zeros(stop - start, dtype=torch.int64, device=dev)
-            dense[idx_C[changes] - start] = zz_C[changes]
-            pieces.append(dense)
-            blocks += [(j, min(C.BLOCK_CHANGES, stop - start - b0), start + b0, None)
-                       for b0 in range(0, stop - start, C.BLOCK_CHANGES)]
+            blocks += [(j, min(C.BLOCK_CHANGES, numel_J[j] - e), -1, meta[j][1] + e)
+                       for e in range(0, numel_J[j], C.BLOCK_CHANGES)]
         else:
-            pieces.append(zz_C[changes])
-            blocks += [(j, block_counts[sblock_first[j] + i], int(job_start[j]) + i * C.BLOCK_CHANGES,
-                        int(sblock_first[j]) + i) for i in range(blocks_J[j])]
-    zz_N = torch.cat(pieces)
+            blocks += [(j, int(sb_count[b]), int(b), 0) for b in np.flatnonzero(sb_job == j)]
     n_blocks = len(blocks)
-    count_B = torch.tensor([b[1] for b in blocks], dtype=torch.int64, device=dev)
-    start_B = torch.cumsum(count_B, 0) - count_B
-    block_N = torch.repeat_interleave(torch.arange(n_blocks, device=dev), count_B, output_size=zz_N.numel())
-    lanes = [max(1, min(C.MAX_LANES, b[1] // C.SYMBOLS_PER_LANE)) for b in blocks]
+    count_B = np.asarray([b[1] for b in blocks], dtype=np.int64)
+    block_b = np.concatenate([[0], np.cumsum(count_B)])
+    block_b_dev = on_dev(block_b)
+    if any(dense_J):
+        pieces = []
+        for j in range(n_jobs):
+            changes = slice(int(job_b[j]), int(job_b[j + 1]))
+            if dense_J[j]:
+                dense = torch.zeros(numel_J[j], dtype=torch.int64, device=dev)
+                dense[idx_C[changes] - meta[j][1]] = zz_C[changes]
+                pieces.append(dense)
+            else:
+                pieces.append(zz_C[changes])
+        sym_N, extra_bits_N, extra_val_N = _symbols(torch.cat(pieces))
+        hist_dev = EK.segment_histograms(sym_N, block_b_dev)
+    else:  # every block is a sparse block: the symbols and counts of step 1
+        sym_N, extra_bits_N, extra_val_N, hist_dev = sym_C, extra_bits_C, extra_val_C, None
+    block_N = torch.repeat_interleave(on_dev(range(n_blocks)), on_dev(count_B), output_size=int(block_b[-1]))
 
-    # symbols and the extra-bit stream (values of 64 and up keep their low bits there)
-    nb_N = _bit_length(zz_N)
-    large = zz_N >= C.N_DIRECT
-    sym_N = torch.where(large, C.N_DIRECT + nb_N - 7, zz_N).to(torch.int32)
-    extra_bits_N = torch.where(large, nb_N - 1, 0)
-    extra_val_N = torch.where(large, zz_N - (torch.ones_like(zz_N) << torch.clamp(nb_N - 1, min=0)), 0)
+    # Rice fields per change of a sparse-coded job (none for a block's first change)
+    coded = torch.as_tensor([not dense_J[j] for j in range(n_jobs)], device=dev)[job_C]
+    a_val, a_bits, b_bits = _rice_fields(gap_C, on_dev(rice_k_sb)[sb_C])
+    is_gap = coded & ~block_first
+    a_bits, b_bits = torch.where(is_gap, a_bits, 0), torch.where(is_gap, b_bits, 0)
 
-    # Rice fields of the sparse blocks coded sparse: two per gap (the unary part, the low bits)
-    coded_of_sblock = np.full(n_sblocks, -1, dtype=np.int64)
-    for i, blk in enumerate(blocks):
-        if blk[3] is not None:
-            coded_of_sblock[blk[3]] = i
-    coded_of_sblock_dev = torch.as_tensor(coded_of_sblock, device=dev)
-    gap_sel = in_block_gap_C & (coded_of_sblock_dev[sblock_C] >= 0)
-    g = gap_C[gap_sel]
-    g_block = coded_of_sblock_dev[sblock_C[gap_sel]]
-    k = torch.as_tensor(np.asarray(rice_k_S, dtype=np.int64), device=dev)[sblock_C[gap_sel]]
-    q = g >> k
-    escape = q >= C.RICE_ESCAPE_Q
-    a_bits = torch.where(escape, C.RICE_ESCAPE_Q, q + 1)
-    a_val = torch.where(escape, (1 << C.RICE_ESCAPE_Q) - 1, (torch.ones_like(q) << torch.clamp(q, max=62)) - 1)
-    b_bits = torch.where(escape, C.RICE_RAW_BITS, k)
-
-    # per-block symbol counts, stream lengths and first indices (read 3)
-    hist_BS = _segment_sum(torch.ones_like(block_N), block_N * _SYMBOLS + sym_N.to(torch.int64), n_blocks * _SYMBOLS)
-    first_change = torch.as_tensor([b[2] if b[3] is not None else 0 for b in blocks], device=dev)
-    small = torch.cat([hist_BS, _segment_sum(extra_bits_N, block_N, n_blocks),
-                       _segment_sum(a_bits + b_bits, g_block, n_blocks), idx_C[first_change]]).cpu().numpy()
-    hist_BS = small[:n_blocks * _SYMBOLS].reshape(n_blocks, _SYMBOLS)
-    extra_total, gap_total, firsts = small[n_blocks * _SYMBOLS:].reshape(3, n_blocks)
+    read = [_segment_sums(extra_bits_N, block_b_dev), _segment_sums(a_bits + b_bits, sb_b_dev), idx_C[sb_b_dev[:-1]]]
+    if hist_dev is not None:
+        read.append(hist_dev.reshape(-1).to(torch.int64))
+    read = torch.cat(read).cpu().numpy()
+    extra_total, sb_gap_bits, sb_first = read[:n_blocks], read[n_blocks:n_blocks + n_sb], read[n_blocks + n_sb:n_blocks + 2 * n_sb]
+    hist_B = read[n_blocks + 2 * n_sb:].reshape(n_blocks, EK.HIST_BINS) if hist_dev is not None else sb_hist
     freq_BS = np.zeros((n_blocks, _SYMBOLS), dtype=np.int64)
     n_symbols = []
     for b in range(n_blocks):
-        used = int(np.flatnonzero(hist_BS[b]).max()) + 1
-        freq_BS[b, :used] = C._normalize_freqs(hist_BS[b, :used], C.SCALE_BITS)
+        used = int(np.flatnonzero(hist_B[b, :_SYMBOLS]).max()) + 1
+        freq_BS[b, :used] = C._normalize_freqs(hist_B[b, :used].astype(np.int64), C.SCALE_BITS)
         n_symbols.append(used)
     cum_BS = np.cumsum(freq_BS, axis=1) - freq_BS
 
-    # the bit streams, each block's starting at a 64-bit word
-    def stream(total_bits: np.ndarray, value, nbits, at_in_block, block) -> tuple[torch.Tensor, np.ndarray]:
+    def stream(total_bits: np.ndarray, value, nbits, at, segment) -> tuple[torch.Tensor, np.ndarray]:
+        # each segment's bits start at a 64-bit word; returns the words and each segment's first byte
         words = (total_bits + 63) // 64
         base = np.cumsum(words) - words
         out = torch.zeros(int(words.sum()) + 1, dtype=torch.int64, device=dev)
-        EK.write_fields(out, value, nbits, torch.as_tensor(base * 64, device=dev)[block] + at_in_block)
+        EK.write_fields(out, value, nbits, on_dev(base * 64)[segment] + at)
         return out, base * 8
 
     extra_words, extra_base = stream(extra_total, extra_val_N, extra_bits_N,
-                                     _exclusive_in_segments(extra_bits_N, block_N, n_blocks), block_N)
-    at = _exclusive_in_segments(a_bits + b_bits, g_block, n_blocks)
-    gap_words, gap_base = stream(gap_total, torch.cat([a_val, g]), torch.cat([a_bits, b_bits]), torch.cat([at, at + a_bits]),
-                                 torch.cat([g_block, g_block]))
+                                     _offsets_in_segments(extra_bits_N, block_N, block_b_dev), block_N)
+    at = _offsets_in_segments(a_bits + b_bits, sb_C, sb_b_dev)
+    gap_words, sb_gap_base = stream(sb_gap_bits, torch.cat([a_val, gap_C]), torch.cat([a_bits, b_bits]),
+                                    torch.cat([at, at + a_bits]), torch.cat([sb_C, sb_C]))
 
-    # rANS lanes: each block's lanes get room for two bytes per symbol and the final state (read 4)
-    counts_B = np.asarray([b[1] for b in blocks], dtype=np.int64)
-    lanes_B = np.asarray(lanes, dtype=np.int64)
-    room_B = 2 * (-(-counts_B // lanes_B)) + 8
+    # --- 4. rANS lanes: each lane gets room for two bytes per symbol and the final state
+    lanes_B = np.asarray([max(1, min(C.MAX_LANES, n // C.SYMBOLS_PER_LANE)) for n in count_B], dtype=np.int64)
+    room_B = 2 * (-(-count_B // lanes_B)) + 8
     region_B = np.cumsum(lanes_B * room_B) - lanes_B * room_B
     rans = torch.empty(int((lanes_B * room_B).sum()), dtype=torch.uint8, device=dev)
     begin_BL = torch.zeros((n_blocks, EK.LANES), dtype=torch.int64, device=dev)
-    EK.rans_lanes(sym_N, start_B, count_B, torch.as_tensor(lanes_B, device=dev), torch.as_tensor(region_B, device=dev),
-                  torch.as_tensor(room_B, device=dev), torch.as_tensor(freq_BS, device=dev),
-                  torch.as_tensor(cum_BS, device=dev), rans, begin_BL, C.SCALE_BITS, C.RANS_L)
+    EK.rans_lanes(sym_N, block_b_dev[:-1], on_dev(count_B), on_dev(lanes_B), on_dev(region_B), on_dev(room_B),
+                  on_dev(freq_BS), on_dev(cum_BS), rans, begin_BL, C.SCALE_BITS, C.RANS_L)
     begin = begin_BL.cpu().numpy()
     lane_ok = np.arange(EK.LANES)[None, :] < lanes_B[:, None]
     lane_len = np.where(lane_ok, room_B[:, None] - begin, 0)
     src = (region_B[:, None] + np.arange(EK.LANES)[None, :] * room_B[:, None] + begin)[lane_ok]
     lens = lane_len[lane_ok]
-    dst = np.cumsum(lens) - lens
-    gather = torch.repeat_interleave(torch.as_tensor(src - dst, device=dev), torch.as_tensor(lens, device=dev),
-                                     output_size=int(lens.sum())) + torch.arange(int(lens.sum()), device=dev)
+    gather = torch.repeat_interleave(on_dev(src - (np.cumsum(lens) - lens)), on_dev(lens), output_size=int(lens.sum())) \
+        + torch.arange(int(lens.sum()), device=dev)
     rans_host = rans[gather].cpu().numpy()  # lanes in order, each lane's bytes in order
     gap_host = gap_words.cpu().numpy().view(np.uint8)
     extra_host = extra_words.cpu().numpy().view(np.uint8)
 
     # --- framing (host): the same layout as codec._encode_block / codec._frame
     out_blocks: list[list[bytes]] = [[] for _ in range(n_jobs)]
-    at = 0
-    for b, (j, count, first, s) in enumerate(blocks):
-        gap_len = (int(gap_total[b]) + 7) // 8
+    at_byte = 0
+    for b, (j, count, sb, dense_first) in enumerate(blocks):
+        gap_len = (int(sb_gap_bits[sb]) + 7) // 8 if sb >= 0 else 0
+        gap_at = int(sb_gap_base[sb]) if sb >= 0 else 0
         extra_len = (int(extra_total[b]) + 7) // 8
-        lens = lane_len[b, :lanes[b]].astype("<u4")
-        used = int(lens.sum())
+        lens_b = lane_len[b, :lanes_B[b]].astype("<u4")
+        used = int(lens_b.sum())
         out_blocks[j].append(b"".join((
-            C._BLOCK_FIXED.pack(count, int(firsts[b]) if s is not None else first,
-                                rice_k_S[s] if s is not None else 0, lanes[b], C.SCALE_BITS, n_symbols[b]),
+            C._BLOCK_FIXED.pack(count, int(sb_first[sb]) if sb >= 0 else dense_first,
+                                int(rice_k_sb[sb]) if sb >= 0 else 0, int(lanes_B[b]), C.SCALE_BITS, n_symbols[b]),
             C._varint(freq_BS[b, :n_symbols[b]]),
-            struct.pack("<I", gap_len), gap_host[gap_base[b]:gap_base[b] + gap_len].tobytes(),
+            struct.pack("<I", gap_len), gap_host[gap_at:gap_at + gap_len].tobytes(),
             struct.pack("<I", extra_len), extra_host[extra_base[b]:extra_base[b] + extra_len].tobytes(),
-            lens.tobytes(), rans_host[at:at + used].tobytes(),
+            lens_b.tobytes(), rans_host[at_byte:at_byte + used].tobytes(),
         )))
-        at += int(lane_len[b].sum())
+        at_byte += used
     return [C._frame(C.MODE_DENSE if dense_J[j] else C.MODE_SPARSE, meta[j][0], meta[j][1], meta[j][2],
-                     meta[j][2] - meta[j][1] if dense_J[j] else counts[j], out_blocks[j]) for j in range(n_jobs)]
-
+                     numel_J[j] if dense_J[j] else counts[j], out_blocks[j]) for j in range(n_jobs)]

@@ -52,6 +52,15 @@ def test_rice_escapes_and_the_widest_values_equal_the_host_codec():
     assert _encode_gpu(jobs) == [codec.encode(*jobs[0])]
 
 
+def test_the_longest_unary_code_is_not_an_escape():
+    # with k = 0, a gap of 31 is 31 ones and a zero (32 bits, like the escape's prefix); 32 escapes
+    idx = np.concatenate([np.arange(100), [131, 164]]).astype(np.int64)
+    jobs = [(idx, np.ones(idx.size, dtype=np.int64), 16, 0, 200)]
+    blob = codec.encode(*jobs[0], mode="sparse")
+    assert codec._BLOCK_FIXED.unpack_from(blob, codec._STREAM.size + 16)[2] == 0  # rice_k of the block
+    assert _encode_gpu(jobs, mode="sparse") == [blob]
+
+
 def test_many_tensors_and_a_two_block_tensor_in_one_call():
     rng = np.random.default_rng(5)
     jobs = [(*_changes(rng, 200_000, 70_000, 16), 16, 0, 200_000)]

@@ -7,10 +7,13 @@ Legend of shape suffixes: ``_F`` one per bit field, ``_W`` one per 64-bit word o
 ``_B`` one per codec block, ``_BL`` one per (block, lane), ``_N`` one per symbol.
 """
 
+import torch
 import triton
 import triton.language as tl
 
 FIELDS_BLOCK = 1024
+HIST_BINS = 128  # >= codec.N_SYMBOLS_MAX; the last bin collects the padding lanes
+HIST_CHUNK = 1024
 LANES = 32  # codec.MAX_LANES: one vector lane per rANS lane of a block
 
 
@@ -38,6 +41,29 @@ def write_fields(words_W, value_F, nbits_F, bitpos_F) -> None:
     if n:
         _write_fields_kernel[(triton.cdiv(n, FIELDS_BLOCK),)](words_W, value_F, nbits_F, bitpos_F, n,
                                                               BLOCK=FIELDS_BLOCK, num_warps=4)
+
+
+@triton.jit
+def _segment_histogram_kernel(sym_N_ptr, bounds_S1_ptr, out_S_ptr, BINS: tl.constexpr, CHUNK: tl.constexpr):
+    # symbol counts of segment s = symbols bounds[s] .. bounds[s + 1]; one program per segment
+    s = tl.program_id(0).to(tl.int64)
+    lo = tl.load(bounds_S1_ptr + s)
+    hi = tl.load(bounds_S1_ptr + s + 1)
+    acc = tl.zeros([BINS], dtype=tl.int32)
+    for c0 in range(lo, hi, CHUNK):
+        i = c0 + tl.arange(0, CHUNK)
+        acc += tl.histogram(tl.load(sym_N_ptr + i, mask=i < hi, other=BINS - 1), BINS)
+    tl.store(out_S_ptr + s * BINS + tl.arange(0, BINS), acc)
+
+
+def segment_histograms(sym_N, bounds_S1):
+    """``[segments, HIST_BINS]`` int32 symbol counts per segment (contiguous, ``bounds_S1`` int64 on the
+    device); bin ``HIST_BINS - 1`` is padding, not a symbol."""
+    segments = bounds_S1.numel() - 1
+    out = torch.empty((max(segments, 0), HIST_BINS), dtype=torch.int32, device=sym_N.device)
+    if segments > 0:
+        _segment_histogram_kernel[(segments,)](sym_N, bounds_S1, out, BINS=HIST_BINS, CHUNK=HIST_CHUNK, num_warps=4)
+    return out
 
 
 @triton.jit(do_not_specialize=["scale_bits"])
