@@ -85,6 +85,15 @@ def _dense_wins(hist65: np.ndarray, rice_bits: int, numel: int, changes: int) ->
     return C._entropy_bits(h) * 1.04 < sparse_bits
 
 
+def _normalized_tables(counts_BS: np.ndarray) -> np.ndarray:
+    """codec._normalize_freqs of every row at once (the same integer arithmetic, ties to the first maximum)."""
+    m = 1 << C.SCALE_BITS
+    total = counts_BS.sum(axis=1, keepdims=True)
+    f = np.where(counts_BS > 0, np.maximum(1, (counts_BS * m) // total), 0)
+    f[np.arange(f.shape[0]), np.argmax(f, axis=1)] += m - f.sum(axis=1)
+    return f
+
+
 def encode_many_gpu(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, int]], mode: str = "auto") -> list[bytes]:
     """``codec.encode_many`` of changes held on a device (see the module doc); the same bytes."""
     if not jobs:
@@ -226,12 +235,8 @@ def encode_many_gpu(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, i
     read = torch.cat(read).cpu().numpy()
     extra_total, sb_gap_bits, sb_first = read[:n_blocks], read[n_blocks:n_blocks + n_sb], read[n_blocks + n_sb:n_blocks + 2 * n_sb]
     hist_B = read[n_blocks + 2 * n_sb:].reshape(n_blocks, EK.HIST_BINS) if hist_dev is not None else sb_hist
-    freq_BS = np.zeros((n_blocks, _SYMBOLS), dtype=np.int64)
-    n_symbols = []
-    for b in range(n_blocks):
-        used = int(np.flatnonzero(hist_B[b, :_SYMBOLS]).max()) + 1
-        freq_BS[b, :used] = C._normalize_freqs(hist_B[b, :used].astype(np.int64), C.SCALE_BITS)
-        n_symbols.append(used)
+    freq_BS = _normalized_tables(hist_B[:, :_SYMBOLS].astype(np.int64))
+    n_symbols = [int(u) for u in _SYMBOLS - np.argmax(hist_B[:, _SYMBOLS - 1::-1] > 0, axis=1)]
     cum_BS = np.cumsum(freq_BS, axis=1) - freq_BS
 
     def stream(total_bits: np.ndarray, value, nbits, at, segment) -> tuple[torch.Tensor, np.ndarray]:
@@ -263,9 +268,15 @@ def encode_many_gpu(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, i
     lens = lane_len[lane_ok]
     gather = torch.repeat_interleave(on_dev(src - (np.cumsum(lens) - lens)), on_dev(lens), output_size=int(lens.sum())) \
         + torch.arange(int(lens.sum()), device=dev)
-    rans_host = rans[gather].cpu().numpy()  # lanes in order, each lane's bytes in order
-    gap_host = gap_words.cpu().numpy().view(np.uint8)
-    extra_host = extra_words.cpu().numpy().view(np.uint8)
+    # one copy into pinned memory: the lanes' bytes (in order), then the gap and extra words
+    coded = torch.cat([rans[gather], gap_words.view(torch.uint8), extra_words.view(torch.uint8)])
+    host = torch.empty(coded.numel(), dtype=torch.uint8, pin_memory=dev.type == "cuda")
+    host.copy_(coded, non_blocking=True)
+    if dev.type == "cuda":
+        torch.cuda.current_stream(dev).synchronize()
+    host = host.numpy()
+    n_rans, n_gap = int(lens.sum()), gap_words.numel() * 8
+    rans_host, gap_host, extra_host = host[:n_rans], host[n_rans:n_rans + n_gap], host[n_rans + n_gap:]
 
     # --- framing (host): the same layout as codec._encode_block / codec._frame
     out_blocks: list[list[bytes]] = [[] for _ in range(n_jobs)]
