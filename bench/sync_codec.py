@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -197,6 +198,8 @@ def stats(xs):
 
 
 def git_sha() -> str:
+    if os.environ.get("RLTUNE_GIT_SHA"):  # a copy of the tree without (or with stale) git metadata
+        return os.environ["RLTUNE_GIT_SHA"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=Path(__file__).parent).stdout.strip()
