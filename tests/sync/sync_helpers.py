@@ -25,14 +25,15 @@ class Trainer:
 
     def __init__(self, root, interval=3, optimizer="adamw", lr=1e-3, kv_heads=2, tie=False,
                  dtype=torch.bfloat16, wire_dtype=None, chunk_elements=1000, rank=0, world=1, run_id="run-a",
-                 dense_fraction=None):
+                 dense_fraction=None, encoder="auto"):
         self.model = tiny_qwen3(kv_heads, tie, dtype)
         if optimizer == "adamw":
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01)
         else:
             self.opt = SignSGD(self.model.parameters(), lr=lr, weight_decay=0.01)
         self.pub = DeltaPublisher(self.model, self.opt, root, interval, rank=rank, world=world, run_id=run_id,
-                                  chunk_elements=chunk_elements, wire_dtype=wire_dtype, dense_fraction=dense_fraction)
+                                  chunk_elements=chunk_elements, wire_dtype=wire_dtype, dense_fraction=dense_fraction,
+                                  encoder=encoder)
         self.gen = torch.Generator().manual_seed(1)
 
     def train_step(self):

@@ -181,3 +181,20 @@ def test_two_trainer_ranks_write_their_own_slices_without_a_gather(tmp_path):
     engine, rx = make_receiver(tmp_path, cfg, m0)
     assert rx.load_latest().step == 3
     assert_same_params(engine, reference_engine(cfg, ranks[1].wire_state()))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the GPU encoder's kernels need a GPU or TRITON_INTERPRET=1")
+def test_gpu_encoder_publishes_the_host_encoders_bytes(tmp_path):
+    # the same model, data and steps published twice: the delta parts must be byte-identical
+    parts = []
+    for encoder in ("host", "gpu"):
+        root = tmp_path / encoder
+        tr = Trainer(root, interval=10, lr=1e-5, encoder=encoder)  # a few % changed, as real steps
+        tr.pub.publish(0)
+        tr.train_step()
+        tr.pub.publish(1)
+        parts.append((root / fmt.step_dir_name(1) / "rank-00000.delta").read_bytes())
+    assert parts[0] == parts[1]
+    header, _ = fmt.read_part_header(tmp_path / "gpu" / fmt.step_dir_name(1) / "rank-00000.delta")
+    assert sum(e["changes"] for e in header["entries"]) > 100
