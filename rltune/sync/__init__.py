@@ -13,7 +13,9 @@ Public API (each module's docstring has a usage example):
 - ``rltune.sync.indexmap.IndexMap.record(build_engine, spec)``: the checkpoint -> parameter map,
   recorded from the engine's own ``load_weights``.
 - ``rltune.sync.codec.encode(idx, diff, bits, start, stop)`` / ``decode(data, start, stop)`` and
-  ``order0_bound_bytes(numel, diff)``.
+  ``order0_bound_bytes(numel, diff)``; ``encode_many(jobs)`` on the host's cores.
+- ``rltune.sync.codec_gpu.encode_many_gpu(jobs)``: the same bytes from changes held on a GPU (what
+  the publisher uses when the weights live on one).
 - ``rltune.sync.format``: constants and one exception class per rule of the spec.
 - ``rltune.sync.store.BroadcastStore(root)``: complete steps, manifests, chains.
 - ``rltune.sync.ops``: relative-delta reference ops (``wire_diff``, ``wire_add``,
