@@ -55,8 +55,8 @@ class Launch:
     Triton's launch binds and specialises every argument on every call: 56 us of host time for the
     fused apply's 16 arguments on the H200's host, against 7 us for torch's ``index_put_``, and all
     of it inside the engine pause before the kernel starts. This keeps the compiled kernel per
-    signature that Triton specialises these kernels on (each tensor's dtype and 16-byte alignment,
-    the constexpr values, the launch options) and runs it directly; a new signature goes through
+    signature that Triton specialises these kernels on (the device, each tensor's dtype and 16-byte
+    alignment, the constexpr values, the launch options) and runs it directly; a new signature goes through
     Triton's launch once (which compiles if it must). Every other parameter must be an annotated
     integer in the kernel's ``do_not_specialize``, so its value never changes the compiled code:
     checked here. Under the interpreter it is Triton's launch.
@@ -78,9 +78,11 @@ class Launch:
     def __call__(self, grid: tuple[int, ...], *args, **options):
         if self.constexpr is None:
             return self.kernel[grid](*args, **options)
-        key = tuple(value if constexpr else (value.dtype, value.data_ptr() % 16 == 0)
-                    if isinstance(value, torch.Tensor) else type(value)
-                    for value, constexpr in zip(args, self.constexpr, strict=True)) + tuple(options.items())
+        # the current device first: a compiled kernel is loaded on one device, as Triton's own cache keys it
+        key = (torch.cuda.current_device(),) + tuple(
+            value if constexpr else (value.dtype, value.data_ptr() % 16 == 0)
+            if isinstance(value, torch.Tensor) else type(value)
+            for value, constexpr in zip(args, self.constexpr, strict=True)) + tuple(options.items())
         compiled = self.compiled.get(key)
         if compiled is None:
             self.compiled[key] = self.kernel[grid](*args, **options)
