@@ -56,7 +56,7 @@ STAGE_COLUMN = {"rollout": "rollout_s", "training": "training_s", "weight_sync":
 EPS_S = 1e-3  # seconds added before taking logs: a stage measured as 0 must not dominate the fit
 GPU_MEMORY_BYTES = {"H100": 80e9, "H200": 141e9, "B200": 180e9, "B300": 288e9, "A100": 80e9}
 # Coefficients that are fractions or factors of a physical quantity keep their meaning while fitted.
-BOUNDS = {"continuous_fill": (0.05, 1.0), "compile_factor": (0.05, 1.5), "prebuilt_factor": (0.01, 1.0),
+BOUNDS = {"continuous_fill": (0.05, 1.0), "sandbox_overlap": (0.01, 1.0), "compile_factor": (0.05, 1.5), "prebuilt_factor": (0.01, 1.0),
           "delta_fraction": (0.001, 1.0), "padding_overhead": (0.01, 3.0), "checkpoint_overhead": (0.05, 1.5),
           **{f"overlap_{mode}_{stage}": (0.5, 10.0) for mode in ("one_step_async", "fully_async") for stage in ("rollout", "training")}}
 FREE_RANGE = 1e4
@@ -347,7 +347,8 @@ register_term("rollout", "decode", ("batch", "answer_cap_tokens", "context_limit
                "s_per_decode_flop": (3e-10, 3e-15), "continuous_fill": (0.7, 0.7)},
               _decode, "decode steps over the longest trial per wave x cost of one step")
 register_term("rollout", "sandbox", ("workload", "sandbox_pool_size", "sandbox_hosts", "prebuilt_image", "batch"),
-              {"sandbox_build_s": (0.5, 120.0), "prebuilt_factor": (0.2, 0.2), "sandbox_exec_s": (0.05, 5.0), "sandbox_cores": (2.0, 64.0)},
+              {"sandbox_build_s": (0.5, 120.0), "prebuilt_factor": (0.2, 0.2), "sandbox_exec_s": (0.05, 5.0), "sandbox_cores": (2.0, 64.0),
+               "sandbox_overlap": (0.5, 0.5)},
               _sandbox, "sandbox setup and execution per trial, over the pool, capped by the cores that run it")
 register_term("rollout", "fixed", (), {"rollout_fixed_s": (0.02, 1.0)}, lambda f, c: np.full(f.n, c["rollout_fixed_s"]))
 register_term("weight_sync", "transfer", ("sync_transport", "total_params", "weight_dtype", "num_engines"),
@@ -630,8 +631,18 @@ def measured_stages(case: CaseRecord) -> dict[str, float]:
 
 def _stage_sums(f: Features, coeffs: dict[str, float]) -> dict[str, np.ndarray]:
     sums = {stage: np.zeros(f.n) for stage in STAGES}
+    decode = sandbox = None
     for term in TERMS:
-        sums[term.stage] = sums[term.stage] + term.compute(f, coeffs)
+        values = term.compute(f, coeffs)
+        sums[term.stage] = sums[term.stage] + values
+        if term.stage == "rollout" and term.name == "decode":
+            decode = values
+        elif term.stage == "rollout" and term.name == "sandbox":
+            sandbox = values
+    if decode is not None and sandbox is not None:
+        # trials in sandboxes are in different phases at once: while some run tools, the engine decodes
+        # the others' turns, so part of the shorter of the two hides under the longer
+        sums["rollout"] = sums["rollout"] - coeffs["sandbox_overlap"] * np.minimum(decode, sandbox)
     return {stage: values * overlap_slowdown(f, coeffs, stage) for stage, values in sums.items()}
 
 

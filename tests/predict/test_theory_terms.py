@@ -173,3 +173,19 @@ def test_measured_decode_steps_pin_how_much_continuous_batching_refills():
     logprob.measured["old_logprob_s"] = 0.05
     assert pinned_coefficients([logprob]) == {"s_per_logprob_flop"}
     assert pinned_coefficients([make_case("p", rollout=0.3, training=0.2, weight_sync=0.01)]) == set()
+
+
+def test_sandbox_work_hides_part_of_the_engines_under_it_in_a_tool_use_rollout():
+    from rltune.predict.theory import TERMS, prior_coefficients
+
+    setup = tool_setup(sandbox_pool_size=8)
+    f = Features([setup])
+    c = prior_coefficients("cpu")
+    part = {t.name: float(t.compute(f, c)[0]) for t in TERMS if t.stage == "rollout"}
+    assert part["decode"] > 0 and part["sandbox"] > 0, "the check needs both kinds of rollout work"
+    want = sum(part.values()) - c["sandbox_overlap"] * min(part["decode"], part["sandbox"])
+    assert TheoryModel().stages(setup)["rollout"] == pytest.approx(want, rel=1e-12)
+    math_setup = setup_from_case(make_case("m", rollout=1.0, training=1.0, weight_sync=0.0,
+                                           job="tiny-math-cpu", workload="math"))
+    math_parts = [float(t.compute(Features([math_setup]), c)[0]) for t in TERMS if t.stage == "rollout"]
+    assert TheoryModel().stages(math_setup)["rollout"] == pytest.approx(sum(math_parts), rel=1e-12)  # no sandboxes
