@@ -28,8 +28,8 @@ unidentified coefficients sane). Where a device class holds several jobs, each j
 gets its own coefficients, tied to the class's by a penalty on their log distance (one tool-use
 job's longer sequences no longer bend what the math job's runs fit). Each case counts by how
 precisely it measured (:func:`case_fit_weight`). Measured counts a theory quantity predicts
-(:data:`COUNT_COLUMNS`: decode steps) are fitted too; they and the per-term columns pin coefficients
-whatever the cases ran (:func:`pinned_coefficients`). :meth:`TheoryModel.fit` is cheap and is redone whenever the
+(:data:`COUNT_COLUMNS`: decode steps, a trial's mean sandbox set-up and command time) are fitted
+too; they and the per-term columns pin coefficients whatever the cases ran (:func:`pinned_coefficients`). :meth:`TheoryModel.fit` is cheap and is redone whenever the
 library changes; :func:`systematic_miss` reads the forecasts stored beside each case and says
 which stages the forecasts miss in one direction, the signal to refit or to register a new term
 (:func:`register_term`). A setting no term reads is not estimable by theory: the forecast must
@@ -196,10 +196,17 @@ def decode_steps(f: Features, fill: float | np.ndarray) -> np.ndarray:
 
 # Measured counts a theory quantity predicts directly: the fit matches them where a case has them, which pins
 # coefficients the times alone cannot (how much continuous batching refills freed slots).
+def _setup_per_trial(f: Features, c: dict[str, float]) -> np.ndarray:
+    return c["sandbox_build_s"] * (1.0 - (1.0 - c["prebuilt_factor"]) * f.flag("prebuilt_image", False))
+
+
 COUNT_COLUMNS: dict[str, Callable[[Features, dict[str, float]], np.ndarray]] = {
     "engine_decode_steps": lambda f, c: decode_steps(f, c["continuous_fill"]) * engines(f),  # forward steps of all engines per step
+    "sandbox_setup_s": _setup_per_trial,  # mean image set-up of a trial
+    "sandbox_exec_s": lambda f, c: c["sandbox_exec_s"] * turns(f),  # mean run time of a trial's commands
 }
-COUNT_COEFFICIENTS = {"engine_decode_steps": ("continuous_fill",)}  # the coefficients each count column pins
+COUNT_COEFFICIENTS = {"engine_decode_steps": ("continuous_fill",), "sandbox_setup_s": ("sandbox_build_s", "prebuilt_factor"),
+                      "sandbox_exec_s": ("sandbox_exec_s",)}  # the coefficients each count column pins
 
 
 def pinned_coefficients(cases: Sequence[CaseRecord]) -> set[str]:

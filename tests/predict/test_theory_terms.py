@@ -189,3 +189,19 @@ def test_sandbox_work_hides_part_of_the_engines_under_it_in_a_tool_use_rollout()
                                            job="tiny-math-cpu", workload="math"))
     math_parts = [float(t.compute(Features([math_setup]), c)[0]) for t in TERMS if t.stage == "rollout"]
     assert TheoryModel().stages(math_setup)["rollout"] == pytest.approx(sum(math_parts), rel=1e-12)  # no sandboxes
+
+
+def test_measured_sandbox_setup_and_exec_pin_their_per_trial_coefficients():
+    def case(i, prebuilt, setup):
+        c = make_case(f"s{i}", rollout=3.0, training=0.5, weight_sync=0.01, knobs={"prebuilt_image": prebuilt}, t=i, **TOOL)
+        c.measured.update(sandbox_setup_s=setup, sandbox_exec_s=0.3)
+        return c
+
+    cases = [case(0, False, 0.4), case(1, False, 0.4), case(2, True, 0.1)]
+    assert {"sandbox_build_s", "prebuilt_factor", "sandbox_exec_s"} <= pinned_coefficients(cases)
+    fitted = TheoryModel().fit(cases).coefficients["cpu"]
+    assert fitted["sandbox_build_s"] == pytest.approx(0.4, rel=0.1)  # prior 0.5 s
+    assert fitted["prebuilt_factor"] == pytest.approx(0.25, rel=0.15)  # prior 0.2
+    from rltune.predict.theory import turns
+
+    assert fitted["sandbox_exec_s"] * float(turns(Features([setup_from_case(cases[0])]))[0]) == pytest.approx(0.3, rel=0.1)
