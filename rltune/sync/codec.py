@@ -281,12 +281,25 @@ def unzigzag(z: np.ndarray) -> np.ndarray:
     return (z >> 1) ^ -(z & 1)
 
 
-def _normalize_freqs(counts: np.ndarray, scale_bits: int) -> np.ndarray:
-    total = int(counts.sum())
+def normalize_freqs_rows(counts_BS: np.ndarray, scale_bits: int) -> np.ndarray:
+    """Each row's symbol counts scaled to sum to ``2**scale_bits`` (every used symbol keeps >= 1); the
+    largest symbol (the first, on ties) absorbs the rounding (<= 90 units). Also the GPU encoder's."""
+    counts_BS = counts_BS.astype(np.int64)
     m = 1 << scale_bits
-    f = np.where(counts > 0, np.maximum(1, (counts.astype(np.int64) * m) // total), 0)
-    f[int(np.argmax(f))] += m - int(f.sum())  # the largest symbol absorbs the rounding (<= 90 units)
+    f = np.where(counts_BS > 0, np.maximum(1, (counts_BS * m) // counts_BS.sum(axis=1, keepdims=True)), 0)
+    f[np.arange(f.shape[0]), np.argmax(f, axis=1)] += m - f.sum(axis=1)
     return f
+
+
+def _normalize_freqs(counts: np.ndarray, scale_bits: int) -> np.ndarray:
+    return normalize_freqs_rows(counts[None, :], scale_bits)[0]
+
+
+def rice_candidates(mean_gap: float, hi: int = RICE_RAW_BITS - 1) -> range:
+    """The Rice parameters worth costing for gaps of this mean (the block coder's and the dense
+    estimate's, which allows ``hi`` past the raw width). Also the GPU encoder's."""
+    k0 = max(0, int(math.log2(mean_gap + 1.0)))
+    return range(max(0, k0 - 1), min(hi, k0 + 2) + 1)
 
 
 def _varint(values: np.ndarray) -> bytes:
@@ -320,10 +333,7 @@ def _encode_block(first: int, gaps: np.ndarray | None, zz: np.ndarray) -> bytes:
     count = zz.shape[0]
     rice_k, gap_bytes = 0, b""
     if gaps is not None and gaps.shape[0]:
-        mean = float(gaps.mean())
-        k0 = max(0, int(math.log2(mean + 1.0)))
-        candidates = range(max(0, k0 - 1), min(RICE_RAW_BITS - 1, k0 + 2) + 1)
-        rice_k = min(candidates, key=lambda k: _rice_cost_bits(gaps, k))
+        rice_k = min(rice_candidates(float(gaps.mean())), key=lambda k: _rice_cost_bits(gaps, k))
         buf = np.zeros((_rice_cost_bits(gaps, rice_k) + 7) // 8 + 8, dtype=np.uint8)
         gap_bytes = buf[:_rice_encode(gaps, rice_k, buf)].tobytes()
     syms = np.empty(count, dtype=np.uint8)
@@ -455,10 +465,16 @@ def _dense_is_smaller(idx: np.ndarray, zz: np.ndarray, numel: int) -> bool:
     syms = np.minimum(zz, N_DIRECT)  # large values cost the same extra bits either way
     counts = np.bincount(syms, minlength=N_DIRECT + 1)
     gaps = np.diff(idx) - 1
-    k0 = max(0, int(math.log2(float(gaps.mean()) + 1.0))) if gaps.shape[0] else 0
-    rice = min(_rice_cost_bits(gaps, kk) for kk in range(max(0, k0 - 1), k0 + 3)) if gaps.shape[0] else 0
-    sparse_bits = rice + _entropy_bits(counts)
-    counts[0] = numel - k
+    rice = min(_rice_cost_bits(gaps, kk) for kk in rice_candidates(float(gaps.mean()), hi=99)) if gaps.shape[0] else 0
+    return dense_beats_sparse(counts, rice, numel, k)
+
+
+def dense_beats_sparse(counts: np.ndarray, rice_bits: int, numel: int, changes: int) -> bool:
+    """The sparse/dense choice from the symbol counts of the changes (``min(zz, N_DIRECT)``, N_DIRECT + 1
+    bins) and their Rice bits. Also the GPU encoder's."""
+    counts = counts.astype(np.int64)
+    sparse_bits = rice_bits + _entropy_bits(counts)
+    counts[0] = numel - changes
     dense_bits = _entropy_bits(counts)
     return dense_bits * 1.04 < sparse_bits  # dense pays more block headers and some rANS rounding
 

@@ -19,7 +19,6 @@ On a CPU it needs ``TRITON_INTERPRET=1`` (as the kernel tests run it).
 
 from __future__ import annotations
 
-import math
 import struct
 from collections.abc import Sequence
 
@@ -72,26 +71,8 @@ def _rice_fields(gaps: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def _k_window(gap_sum: int, n_gaps: int, hi: int) -> list[int]:
-    # exactly the host codec's candidates: numpy's mean of int64 gaps is sum / n in float64
-    k0 = max(0, int(math.log2(float(gap_sum) / n_gaps + 1.0)))
-    return list(range(max(0, k0 - 1), min(hi, k0 + 2) + 1))
-
-
-def _dense_wins(hist65: np.ndarray, rice_bits: int, numel: int, changes: int) -> bool:
-    # the host's _dense_is_smaller, from the same counts and Rice bits
-    h = hist65.copy()
-    sparse_bits = rice_bits + C._entropy_bits(h)
-    h[0] = numel - changes
-    return C._entropy_bits(h) * 1.04 < sparse_bits
-
-
-def _normalized_tables(counts_BS: np.ndarray) -> np.ndarray:
-    """codec._normalize_freqs of every row at once (the same integer arithmetic, ties to the first maximum)."""
-    m = 1 << C.SCALE_BITS
-    total = counts_BS.sum(axis=1, keepdims=True)
-    f = np.where(counts_BS > 0, np.maximum(1, (counts_BS * m) // total), 0)
-    f[np.arange(f.shape[0]), np.argmax(f, axis=1)] += m - f.sum(axis=1)
-    return f
+    # numpy's mean of int64 gaps is their (exact) sum / n in float64, so the candidates are the host's
+    return list(C.rice_candidates(float(gap_sum) / n_gaps, hi))
 
 
 def encode_many_gpu(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, int]], mode: str = "auto") -> list[bytes]:
@@ -193,7 +174,7 @@ def encode_many_gpu(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, i
             hist[C.N_DIRECT] += sb_hist[b, C.N_DIRECT:C.N_SYMBOLS_MAX].sum()
         ks = _k_window(int(gap_sum_J[j]), counts[j] - 1, 99) if counts[j] > 1 else []
         rice = min((int(job_cost[j, s]) for s in range(len(ks))), default=0)
-        dense_J[j] = _dense_wins(hist, rice, numel_J[j], counts[j])
+        dense_J[j] = C.dense_beats_sparse(hist, rice, numel_J[j], counts[j])
 
     # --- 3. the coded blocks: sparse blocks of sparse jobs, element blocks of dense jobs
     blocks = []  # (job, count, sparse block or -1, first element of a dense block)
@@ -235,7 +216,7 @@ def encode_many_gpu(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, i
     read = torch.cat(read).cpu().numpy()
     extra_total, sb_gap_bits, sb_first = read[:n_blocks], read[n_blocks:n_blocks + n_sb], read[n_blocks + n_sb:n_blocks + 2 * n_sb]
     hist_B = read[n_blocks + 2 * n_sb:].reshape(n_blocks, EK.HIST_BINS) if hist_dev is not None else sb_hist
-    freq_BS = _normalized_tables(hist_B[:, :_SYMBOLS].astype(np.int64))
+    freq_BS = C.normalize_freqs_rows(hist_B[:, :_SYMBOLS], C.SCALE_BITS)
     n_symbols = [int(u) for u in _SYMBOLS - np.argmax(hist_B[:, _SYMBOLS - 1::-1] > 0, axis=1)]
     cum_BS = np.cumsum(freq_BS, axis=1) - freq_BS
 
