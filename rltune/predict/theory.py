@@ -196,14 +196,10 @@ def decode_steps(f: Features, fill: float | np.ndarray) -> np.ndarray:
 
 # Measured counts a theory quantity predicts directly: the fit matches them where a case has them, which pins
 # coefficients the times alone cannot (how much continuous batching refills freed slots).
-def _setup_per_trial(f: Features, c: dict[str, float]) -> np.ndarray:
-    return c["sandbox_build_s"] * (1.0 - (1.0 - c["prebuilt_factor"]) * f.flag("prebuilt_image", False))
-
-
 COUNT_COLUMNS: dict[str, Callable[[Features, dict[str, float]], np.ndarray]] = {
     "engine_decode_steps": lambda f, c: decode_steps(f, c["continuous_fill"]) * engines(f),  # forward steps of all engines per step
-    "sandbox_setup_s": _setup_per_trial,  # mean image set-up of a trial
-    "sandbox_exec_s": lambda f, c: c["sandbox_exec_s"] * turns(f),  # mean run time of a trial's commands
+    "sandbox_setup_s": lambda f, c: _setup_per_trial(f, c),  # mean image set-up of a trial
+    "sandbox_exec_s": lambda f, c: _exec_per_trial(f, c),  # mean run time of a trial's commands
 }
 COUNT_COEFFICIENTS = {"engine_decode_steps": ("continuous_fill",), "sandbox_setup_s": ("sandbox_build_s", "prebuilt_factor"),
                       "sandbox_exec_s": ("sandbox_exec_s",)}  # the coefficients each count column pins
@@ -313,10 +309,19 @@ def sandbox_parallelism(f: Features, cores_per_host: float) -> np.ndarray:
     return (pool ** -k + cores ** -k) ** (-1.0 / k)
 
 
+def _setup_per_trial(f: Features, c: dict[str, float]) -> np.ndarray:
+    """A trial's image set-up: a build, or a copy of the task's pre-built image."""
+    return c["sandbox_build_s"] * (1.0 - (1.0 - c["prebuilt_factor"]) * f.flag("prebuilt_image", False))
+
+
+def _exec_per_trial(f: Features, c: dict[str, float]) -> np.ndarray:
+    """A trial's commands: one round per model turn."""
+    return c["sandbox_exec_s"] * turns(f)
+
+
 def _sandbox(f: Features, c: dict[str, float]) -> np.ndarray:
     tool = 1.0 - f.equals("workload", "math", "math")
-    setup = c["sandbox_build_s"] * (1.0 - (1.0 - c["prebuilt_factor"]) * f.flag("prebuilt_image", False))
-    per_trial = setup + c["sandbox_exec_s"] * turns(f)
+    per_trial = _setup_per_trial(f, c) + _exec_per_trial(f, c)
     return tool * per_trial * samples(f) / sandbox_parallelism(f, c["sandbox_cores"])
 
 
