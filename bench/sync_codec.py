@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,6 +38,7 @@ import zstandard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rltune.sync import codec  # noqa: E402
+from rltune.sync.bench import git_sha  # noqa: E402  (RLTUNE_GIT_SHA or git's, -dirty when rltune/ changed)
 from rltune.sync.kernels.reference import as_bits  # noqa: E402
 from rltune.sync.ops import wire_diff  # noqa: E402
 
@@ -195,16 +194,6 @@ def measure_gpu(deltas, repeats: int) -> dict:
 
 def stats(xs):
     return dict(min=min(xs), median=statistics.median(xs), max=max(xs))
-
-
-def git_sha() -> str:
-    if os.environ.get("RLTUNE_GIT_SHA"):  # a copy of the tree without (or with stale) git metadata
-        return os.environ["RLTUNE_GIT_SHA"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def versions() -> dict:
