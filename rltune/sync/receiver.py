@@ -105,7 +105,8 @@ class DeltaReceiver:
         signed = [v - (1 << 64) if v >= 1 << 63 else v for v in (x & MASK64 for x in values)]
         t = torch.tensor(signed, dtype=torch.int64)
         # int64 addition wraps modulo 2^64: exactly the checksum ring.
-        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group)
+        combine = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]  # torch's reduction operators
+        dist.all_reduce(t, op=combine, group=self.group)
         return [int(v) & MASK64 for v in t.tolist()] if op == "sum" else [int(v) for v in t.tolist()]
 
     def _broadcast_plan(self, plan: dict | None) -> dict:
