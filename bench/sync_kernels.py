@@ -147,16 +147,17 @@ def bench_diff(dev, timer, total, chunk, fractions) -> list[dict]:
         row = dict(fraction=fraction, elements=total, chunk=chunk, nonzero=with_rate(baseline, total * 4))
         if dev.type == "cuda":
             n = min(chunk, total)
-            scratch = tk.diff_scratch(n, dev)
+            chunks = -(-total // n)
+            scratch = tk.diff_scratch(n, dev, chunks)
             cap = int(total * fraction * 1.2) + 1024
             outs = (torch.empty(cap, dtype=torch.int64, device=dev), torch.empty(cap, dtype=torch.int32, device=dev),
                     torch.empty(cap, dtype=torch.int32, device=dev))
-            chunks = -(-total // n)
             starts = torch.zeros(chunks + 1, dtype=torch.int64, device=dev)
             sums = torch.zeros(chunks, dtype=torch.int64, device=dev)
 
             def to_device(new=new, scratch=scratch, outs=outs, starts=starts, sums=sums, cap=cap, n=n):
-                sums.zero_()  # the chunks' checksum changes are added into it (a step's sink does the same)
+                sums.zero_()  # the chunks' checksum changes and block counts are added (a step's sink does the same)
+                scratch.reset()
                 for k, a in enumerate(range(0, total, n)):
                     tk.diff_extract_launch(old[a:a + n], new[a:a + n], a, 0xFFFF, scratch, starts, k, outs, cap, sums)
 
@@ -234,8 +235,7 @@ def bench_step(dev, timer, total, tensors, chunk) -> dict:
 CHECKSUM_CONFIGS = ((512, 16, 4), (1024, 8, 4), (1024, 4, 4), (2048, 4, 8), (1024, 16, 8), (2048, 8, 8),
                     (512, 32, 4), (4096, 4, 8))
 # diff: (32-element rows per block, warps of both passes, changes per copy iteration of pass 2)
-DIFF_CONFIGS = ((64, 2, 64), (128, 4, 64), (64, 4, 64), (128, 4, 128), (32, 2, 64), (128, 8, 128), (256, 4, 64),
-                (256, 8, 128))
+DIFF_CONFIGS = ((128, 4, 64), (256, 4, 64), (256, 2, 64), (256, 4, 128), (256, 8, 128), (512, 4, 64), (512, 4, 128))
 APPLY_CONFIGS = ((1024, 4), (512, 4), (1024, 8), (2048, 8), (4096, 8), (256, 2))
 
 
@@ -263,17 +263,20 @@ def bench_tune(dev, timer, total, tensors) -> dict:
     for rows, warps, copy in DIFF_CONFIGS:
         tk.DIFF_ROWS, tk.DIFF_WARPS, tk.DIFF_COPY = rows, warps, copy
         programs = tk.diff_programs(chunk)
-        scratch = tk.diff_scratch(chunk, dev)
+        scratch = tk.diff_scratch(chunk, dev, -(-total // chunk))
 
         def both(scratch=scratch):
+            sums.zero_()
+            scratch.reset()
             for k, a in enumerate(range(0, total, chunk)):
                 tk.diff_extract_launch(bits[a:a + chunk], new[a:a + chunk], a, 0xFFFF, scratch, starts, k, outs, cap,
                                        sums)
 
         def mask_only(scratch=scratch, programs=programs):
             for a in range(0, total, chunk):
-                tk._diff_mask_kernel[(programs,)](bits[a:a + chunk], new[a:a + chunk], chunk, scratch[1], scratch[2],
-                                                  ROWS=tk.DIFF_ROWS, ASM=True, num_warps=tk.DIFF_WARPS)
+                tk._diff_mask_kernel[(programs,)](bits[a:a + chunk], new[a:a + chunk], chunk, scratch.words,
+                                                  scratch.count_P, scratch.tile_KT[0], ROWS=tk.DIFF_ROWS,
+                                                  TILE=tk.DIFF_TILE, ASM=True, num_warps=tk.DIFF_WARPS)
 
         out["diff"][f"{rows}w{warps}c{copy}"] = dict(both_ms=timer(both)["median_ms"],
                                                      mask_only_ms=timer(mask_only)["median_ms"])

@@ -105,6 +105,32 @@ def test_change_sink_appends_chunks_in_order_and_checks_capacity():
         sink.collect()
 
 
+@pytest.mark.parametrize(("rows", "tile"), [(1, 1), (2, 4), (4, 16)])
+def test_diff_offsets_from_tile_counters_over_many_blocks(monkeypatch, rows, tile):
+    # blocks of 32-128 elements and tiles of 1-16 blocks: hundreds of blocks over many tiles, whole
+    # blocks and tiles without a change, chunks of different sizes, one sink over two steps
+    from rltune.sync.kernels import triton_kernels as tk
+
+    monkeypatch.setattr(tk, "DIFF_ROWS", rows)
+    monkeypatch.setattr(tk, "DIFF_TILE", tile)
+    sizes = (7000, 4100, 33)
+    sink = K.ChangeSink(capacity=2000, max_chunk_elements=7000, max_chunks=3, device=DEVICE, backend="triton")
+    for step in range(2):
+        olds = [random_bits(n, 16, seed=n + step) for n in sizes]
+        news = [perturb(o, 0.02, seed=step + 3) for o in olds]
+        news[0][1000:3500] = olds[0][1000:3500]  # 2,500 unchanged elements: empty blocks and tiles
+        sink.reset()
+        for k, (o, w) in enumerate(zip(olds, news, strict=True)):
+            sink.append(o, w, offset=10_000 * k, key=k)
+        sink.finish()
+        chunks = sink.collect()
+        for k, (c, o, w) in enumerate(zip(chunks, olds, news, strict=True)):
+            want = R.diff_extract_ref(o.cpu(), w.cpu(), 10_000 * k)
+            assert want[0].numel() > 0
+            assert torch.equal(c.idx_C, want[0]) and torch.equal(c.new_C, want[1]) and torch.equal(c.old_C, want[2])
+            assert c.checksum_change == want[3]
+
+
 def _delta(layout_rows: int, ncols: int, entries: list[int], fraction: float, seed: int, width: int):
     g = torch.Generator().manual_seed(seed)
     idx_parts, offsets = [], [0]

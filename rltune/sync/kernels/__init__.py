@@ -165,7 +165,7 @@ class ChangeSink:
         self._checksum_dev = torch.zeros(max_chunks, dtype=torch.int64, device=self.device)
         self._start_host = torch.zeros(max_chunks + 1, dtype=torch.int64, pin_memory=pin)
         self._checksum_host = torch.zeros(max_chunks, dtype=torch.int64, pin_memory=pin)
-        self._scratch: tuple | None = None  # the diff's device scratch (positions, per-program counts), made once
+        self._scratch = None  # the diff's device scratch (triton_kernels.DiffScratch), made at the first append
         self._event = None
         self.keys: list[Any] = []
 
@@ -175,12 +175,14 @@ class ChangeSink:
         self._event = None
         if self.triton:
             self._checksum_dev.zero_()  # the diff adds each chunk's checksum change into its slot
+            if self._scratch is not None:
+                self._scratch.reset()  # and each block's count into its chunk's tile counters
         else:
             self._start_host.zero_()
 
-    def _diff_scratch(self) -> tuple:
+    def _diff_scratch(self):
         if self._scratch is None:
-            self._scratch = _triton().diff_scratch(self.max_chunk_elements, self.device)
+            self._scratch = _triton().diff_scratch(self.max_chunk_elements, self.device, self.max_chunks)
         return self._scratch
 
     def append(self, old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int, key: Any) -> None:

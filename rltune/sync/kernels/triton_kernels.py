@@ -32,9 +32,10 @@ CHECKSUM_BLOCK = 512
 CHECKSUM_TILES = 32
 CHECKSUM_WARPS = 4
 
-DIFF_ROWS = 128  # 32-element rows (one change word each) per diff block
+DIFF_ROWS = 256  # 32-element rows (one change word each) per diff block
 DIFF_WARPS = 4
 DIFF_COPY = 64  # changes per copy iteration of pass 2
+DIFF_TILE = 64  # diff blocks per tile counter (pass 2 sums the counters before its own tile)
 APPLY_BLOCK = 512  # the fastest in 4 of the 5 sweeps of 2026-11-30
 APPLY_WARPS = 4
 
@@ -146,16 +147,23 @@ def checksum_partials(bits_N: torch.Tensor, offset: int, mask: int) -> torch.Ten
 # ------------------------------------------------------------------------------------- diff/extract
 #
 # Two passes per chunk. Pass 1 reads every element of old and new once and stores, per block of
-# ROWS x 32 elements, one 32-bit word per row (its change flags) and the block's count: per element
-# a compare, a shift and a sum, so it runs at read bandwidth. Pass 2 (after an exclusive prefix of
-# the counts) expands each block's words into positions, the lowest set bit of every row at a time
-# (as many rounds as the block's densest row has changes), into the block's scratch, then gathers
-# old and new there and writes (index, new, old) at the block's prefix: contiguous writes, which
-# also suit pinned host memory.
+# ROWS x 32 elements, one 32-bit word per row (its change flags) and the block's count, and adds
+# the count to its tile's counter (TILE blocks per tile): per element a compare, a shift and a sum,
+# so it runs at read bandwidth. Pass 2 finds where its block's changes start in the output from
+# those counts alone (the tiles before its own plus its tile's blocks before it, at most TILES +
+# TILE loads), so no prefix-sum kernel runs between the passes. It expands the block's words into
+# positions, the lowest set bit of every row at a time (as many rounds as the block's densest row
+# has changes), into the block's scratch, then gathers old and new there and writes (index, new,
+# old) at the block's offset: contiguous writes, which also suit pinned host memory.
 #
-# Measured on the H200 (1 GiB, 1 % changed, same run): 1.02 ms, against 1.17 ms for ranking every
-# element by popcounts in pass 1 and storing its position there (git a881989), and 1.39-1.75 ms
-# for one pass with a decoupled look-back to find each block's output offset (git bbb35a1).
+# Measured on the H200 (1 GiB, 1 % changed, 64 M-element chunks, same run): 0.93-0.96 ms, against
+# 0.96-1.06 ms with a torch prefix sum between the passes (git 3e614a7). Dropped after measuring:
+# ranking every element in pass 1 and storing its position (1.17 ms, git a881989) or its values too
+# (2.2-28 ms); one pass with a decoupled look-back (1.39-1.75 ms, git
+# bbb35a1); pass 2 on a second stream (1.0-1.05: pass 1 holds every SM), or interleaved with the
+# next chunk's pass 1 in one grid (1.36-1.5); positions found in registers by a binary search of the
+# rows' counts instead of the scratch round trip (0.97); more rows or fewer warps per pass-2
+# program (0.92-1.0, within the noise). Pass 1 alone takes 0.51-0.53 ms and pass 2 0.24-0.27.
 
 
 @triton.jit
@@ -172,8 +180,8 @@ def _popcount(x, ASM: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["n"])
-def _diff_mask_kernel(old_ptr, new_ptr, n: tl.int64, words_ptr, count_P_ptr, ROWS: tl.constexpr,
-                      ASM: tl.constexpr):
+def _diff_mask_kernel(old_ptr, new_ptr, n: tl.int64, words_ptr, count_P_ptr, tile_T_ptr, ROWS: tl.constexpr,
+                      TILE: tl.constexpr, ASM: tl.constexpr):
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * (ROWS * 32)
     row = tl.arange(0, ROWS)
@@ -190,19 +198,26 @@ def _diff_mask_kernel(old_ptr, new_ptr, n: tl.int64, words_ptr, count_P_ptr, ROW
     # distinct powers of two: their sum is their OR (bit 31 wraps to the sign, as a 32-bit word should)
     word = tl.sum(changed << col[None, :], axis=1)
     tl.store(words_ptr + pid.to(tl.int64) * ROWS + row, word)
-    tl.store(count_P_ptr + pid, tl.sum(_popcount(word, ASM), axis=0))
+    count = tl.sum(_popcount(word, ASM), axis=0)
+    tl.store(count_P_ptr + pid, count)
+    if count > 0:
+        tl.atomic_add(tile_T_ptr + pid // TILE, count)
 
 
 @triton.jit(do_not_specialize=["offset", "chunk", "capacity", "programs"])
-def _diff_expand_kernel(old_ptr, new_ptr, words_ptr, count_P_ptr, inclusive_P_ptr, s_pos_ptr, chunk_start_ptr,
+def _diff_expand_kernel(old_ptr, new_ptr, words_ptr, count_P_ptr, tile_T_ptr, s_pos_ptr, chunk_start_ptr,
                         chunk: tl.int64, offset: tl.int64, out_idx_ptr, out_new_ptr, out_old_ptr, checksum_K_ptr,
                         capacity: tl.int64, programs: tl.int64, MASK: tl.constexpr, ROWS: tl.constexpr,
-                        COPY: tl.constexpr, ASM: tl.constexpr):
+                        COPY: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr, ASM: tl.constexpr):
     # ``start`` is where this chunk begins in the output (written by the previous chunk's pass 2, on
     # device); each block adds its sum (offset + i + 1) * (new - old) to the chunk's checksum change.
     pid = tl.program_id(0)
     count = tl.load(count_P_ptr + pid)
-    inclusive = tl.load(inclusive_P_ptr + pid)
+    tile = pid // TILE
+    t = tl.arange(0, TILES)
+    b = tile * TILE + tl.arange(0, TILE)
+    before = tl.sum(tl.load(tile_T_ptr + t, mask=t < tile, other=0).to(tl.int64), axis=0) \
+        + tl.sum(tl.load(count_P_ptr + b, mask=b < pid, other=0).to(tl.int64), axis=0)
     start = tl.load(chunk_start_ptr + chunk)
     if count > 0:
         base = pid.to(tl.int64) * (ROWS * 32)
@@ -218,7 +233,7 @@ def _diff_expand_kernel(old_ptr, new_ptr, words_ptr, count_P_ptr, inclusive_P_pt
             slot += 1
             bits = bits & (bits - 1)
         tl.debug_barrier()  # the positions are read below by other threads of the block
-        dst0 = start + inclusive - count
+        dst0 = start + before
         lane = tl.arange(0, COPY)
         total = tl.zeros([COPY], dtype=tl.int64)
         for k in range(0, count, COPY):
@@ -235,7 +250,7 @@ def _diff_expand_kernel(old_ptr, new_ptr, words_ptr, count_P_ptr, inclusive_P_pt
             total += tl.where(inside, (offset + i + 1) * (new - old), 0)
         tl.atomic_add(checksum_K_ptr + chunk, tl.sum(total, axis=0))
     if pid == programs - 1:
-        tl.store(chunk_start_ptr + chunk + 1, start + inclusive)
+        tl.store(chunk_start_ptr + chunk + 1, start + before + count)
 
 
 _DIFF_MASK = Launch(_diff_mask_kernel)
@@ -246,30 +261,50 @@ def diff_programs(n: int) -> int:
     return max(1, triton.cdiv(n, DIFF_ROWS * 32))
 
 
-def diff_scratch(n: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Device scratch of a diff over chunks of up to ``n`` elements: each block's positions (int16,
-    2 bytes per element), the rows' change words and the blocks' counts."""
-    programs = diff_programs(n)
-    return (torch.empty(programs * DIFF_ROWS * 32, dtype=torch.int16, device=device),
-            torch.empty(programs * DIFF_ROWS, dtype=torch.int32, device=device),
-            torch.empty(programs, dtype=torch.int32, device=device))
+class DiffScratch:
+    """Device scratch of diffs over up to ``chunks`` chunks of up to ``n`` elements each: the block's
+    positions (int16, 2 bytes per element), the rows' change words, the blocks' counts (reused by
+    every chunk) and one row of tile counters per chunk, which pass 1 adds into: zero them with
+    :meth:`reset` before a chunk index is used again."""
+
+    def __init__(self, n: int, device, chunks: int = 1):
+        programs = diff_programs(n)
+        self.rows, self.tile = DIFF_ROWS, DIFF_TILE
+        self.tiles = triton.next_power_of_2(triton.cdiv(programs, DIFF_TILE))
+        self.s_pos = torch.empty(programs * DIFF_ROWS * 32, dtype=torch.int16, device=device)
+        self.words = torch.empty(programs * DIFF_ROWS, dtype=torch.int32, device=device)
+        self.count_P = torch.empty(programs, dtype=torch.int32, device=device)
+        self.tile_KT = torch.zeros(chunks, self.tiles, dtype=torch.int32, device=device)
+
+    def reset(self) -> None:
+        self.tile_KT.zero_()
+
+
+def diff_scratch(n: int, device, chunks: int = 1) -> DiffScratch:
+    return DiffScratch(n, device, chunks)
 
 
 def diff_extract_launch(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int, mask: int,
-                        scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], chunk_start: torch.Tensor,
-                        chunk: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], capacity: int,
+                        scratch: DiffScratch, chunk_start: torch.Tensor, chunk: int,
+                        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], capacity: int,
                         checksum_K: torch.Tensor) -> None:
     """Both passes of chunk ``chunk``: writes ``chunk_start[chunk + 1]`` and adds the chunk's checksum
-    change to ``checksum_K[chunk]`` (int64, zeroed by the caller), all on device, no host sync."""
+    change to ``checksum_K[chunk]`` (int64, zeroed by the caller), all on device, no host sync. The
+    chunk's tile counters (``scratch.tile_KT[chunk]``) must be zero."""
     n = old_bits_N.numel()
     programs = diff_programs(n)
-    s_pos, words, count_P = scratch
+    if scratch.rows != DIFF_ROWS or scratch.tile != DIFF_TILE or programs > scratch.count_P.numel() \
+            or chunk >= scratch.tile_KT.shape[0]:
+        raise ValueError(f"diff scratch made for {scratch.count_P.numel()} blocks of {scratch.rows} rows and "
+                         f"{scratch.tile_KT.shape[0]} chunks cannot hold chunk {chunk} of {n} elements "
+                         f"({programs} blocks of {DIFF_ROWS} rows)")
+    tiles = scratch.tile_KT[chunk]
     asm = not _interpreted()
-    _DIFF_MASK((programs,), old_bits_N, new_bits_N, n, words, count_P, DIFF_ROWS, asm, num_warps=DIFF_WARPS)
-    inclusive_P = torch.cumsum(count_P[:programs], dim=0, dtype=torch.int64)
-    _DIFF_EXPAND((programs,), old_bits_N, new_bits_N, words, count_P, inclusive_P, s_pos, chunk_start, chunk, offset,
-                 out[0], out[1], out[2], checksum_K, capacity, programs, mask, DIFF_ROWS, DIFF_COPY, asm,
-                 num_warps=DIFF_WARPS)
+    _DIFF_MASK((programs,), old_bits_N, new_bits_N, n, scratch.words, scratch.count_P, tiles, DIFF_ROWS, DIFF_TILE, asm,
+               num_warps=DIFF_WARPS)
+    _DIFF_EXPAND((programs,), old_bits_N, new_bits_N, scratch.words, scratch.count_P, tiles, scratch.s_pos, chunk_start,
+                 chunk, offset, out[0], out[1], out[2], checksum_K, capacity, programs, mask, DIFF_ROWS, DIFF_COPY,
+                 DIFF_TILE, scratch.tiles, asm, num_warps=DIFF_WARPS)
 
 
 # --------------------------------------------------------------------------------------- fused apply
