@@ -34,7 +34,7 @@ CHECKSUM_WARPS = 4
 
 DIFF_ROWS = 256  # 32-element rows (one change word each) per diff block
 DIFF_WARPS = 4
-DIFF_COPY = 64  # changes per copy iteration of pass 2
+DIFF_COPY = 128  # changes per copy iteration of pass 2
 DIFF_TILE = 64  # diff blocks per tile counter (pass 2 sums the counters before its own tile)
 APPLY_BLOCK = 512  # the fastest in 4 of the 5 sweeps of 2026-11-30
 APPLY_WARPS = 4
@@ -156,14 +156,15 @@ def checksum_partials(bits_N: torch.Tensor, offset: int, mask: int) -> torch.Ten
 # has changes), into the block's scratch, then gathers old and new there and writes (index, new,
 # old) at the block's offset: contiguous writes, which also suit pinned host memory.
 #
-# Measured on the H200 (1 GiB, 1 % changed, 64 M-element chunks, same run): 0.93-0.96 ms, against
-# 0.96-1.06 ms with a torch prefix sum between the passes (git 3e614a7). Dropped after measuring:
-# ranking every element in pass 1 and storing its position (1.17 ms, git a881989) or its values too
-# (2.2-28 ms); one pass with a decoupled look-back (1.39-1.75 ms, git
-# bbb35a1); pass 2 on a second stream (1.0-1.05: pass 1 holds every SM), or interleaved with the
-# next chunk's pass 1 in one grid (1.36-1.5); positions found in registers by a binary search of the
-# rows' counts instead of the scratch round trip (0.97); more rows or fewer warps per pass-2
-# program (0.92-1.0, within the noise). Pass 1 alone takes 0.51-0.53 ms and pass 2 0.24-0.27.
+# Measured on the H200 (1 GiB, 1 % changed, 64 M-element chunks, same runs): 0.93-0.96 ms, against
+# 0.96-1.06 ms with a torch prefix sum between the passes (git 3e614a7); 0.895 ms in the benchmark
+# record of git 57febe3. Dropped after measuring: ranking every element in pass 1 and storing its
+# position (1.17 ms, git a881989) or its values too (2.2-28 ms); one pass with a decoupled
+# look-back (1.39-1.75 ms, git bbb35a1); pass 2 on a second stream (1.0-1.05: pass 1 holds every
+# SM), or interleaved with the next chunk's pass 1 in one grid (1.36-1.5); positions found in
+# registers by a binary search of the rows' counts instead of the scratch round trip (0.97); more
+# rows or fewer warps per pass-2 program (0.92-1.0, within the noise). Pass 1 alone takes 0.51-0.60
+# ms, pass 2 0.24-0.27 ms (docs/BENCHMARKS.md).
 
 
 @triton.jit
