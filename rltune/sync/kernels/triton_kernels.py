@@ -163,8 +163,10 @@ def checksum_partials(bits_N: torch.Tensor, offset: int, mask: int) -> torch.Ten
 # look-back (1.39-1.75 ms, git bbb35a1); pass 2 on a second stream (1.0-1.05: pass 1 holds every
 # SM), or interleaved with the next chunk's pass 1 in one grid (1.36-1.5); positions found in
 # registers by a binary search of the rows' counts instead of the scratch round trip (0.97); more
-# rows or fewer warps per pass-2 program (0.92-1.0, within the noise). Pass 1 alone takes 0.51-0.60
-# ms, pass 2 0.24-0.27 ms (docs/BENCHMARKS.md).
+# rows or fewer warps per pass-2 program (0.92-1.0, within the noise); the expansion moved into
+# pass 1 (0.96) or per-row values kept there to skip gathers (0.98): pass 1 sits at read bandwidth
+# and each extra reduction slows it more than pass 2 gains. Pass 1 alone takes 0.51-0.60 ms, pass 2
+# 0.24-0.29 ms, 0.19 ms of it without any gather (docs/BENCHMARKS.md).
 
 
 @triton.jit
