@@ -148,7 +148,7 @@ def bench_diff(dev, timer, total, chunk, fractions) -> list[dict]:
         if dev.type == "cuda":
             n = min(chunk, total)
             chunks = -(-total // n)
-            scratch = tk.diff_scratch(n, dev, chunks)
+            scratch = tk.DiffScratch(n, dev, chunks)
             cap = int(total * fraction * 1.2) + 1024
             outs = (torch.empty(cap, dtype=torch.int64, device=dev), torch.empty(cap, dtype=torch.int32, device=dev),
                     torch.empty(cap, dtype=torch.int32, device=dev))
@@ -263,7 +263,7 @@ def bench_tune(dev, timer, total, tensors) -> dict:
     for rows, warps, copy in DIFF_CONFIGS:
         tk.DIFF_ROWS, tk.DIFF_WARPS, tk.DIFF_COPY = rows, warps, copy
         programs = tk.diff_programs(chunk)
-        scratch = tk.diff_scratch(chunk, dev, -(-total // chunk))
+        scratch = tk.DiffScratch(chunk, dev, -(-total // chunk))
 
         def both(scratch=scratch):
             sums.zero_()

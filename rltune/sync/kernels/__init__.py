@@ -182,7 +182,7 @@ class ChangeSink:
 
     def _diff_scratch(self):
         if self._scratch is None:
-            self._scratch = _triton().diff_scratch(self.max_chunk_elements, self.device, self.max_chunks)
+            self._scratch = _triton().DiffScratch(self.max_chunk_elements, self.device, self.max_chunks)
         return self._scratch
 
     def append(self, old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int, key: Any) -> None:
@@ -249,7 +249,7 @@ def diff_extract(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int
     n = old_bits_N.numel()
     dev = old_bits_N.device
     tk = _triton()
-    scratch = tk.diff_scratch(n, dev)
+    scratch = tk.DiffScratch(n, dev)
     out = (torch.empty(n, dtype=torch.int64, device=dev), torch.empty(n, dtype=torch.int32, device=dev),
            torch.empty(n, dtype=torch.int32, device=dev))
     start = torch.zeros(2, dtype=torch.int64, device=dev)

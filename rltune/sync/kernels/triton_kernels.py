@@ -283,10 +283,6 @@ class DiffScratch:
         self.tile_KT.zero_()
 
 
-def diff_scratch(n: int, device, chunks: int = 1) -> DiffScratch:
-    return DiffScratch(n, device, chunks)
-
-
 def diff_extract_launch(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int, mask: int,
                         scratch: DiffScratch, chunk_start: torch.Tensor, chunk: int,
                         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], capacity: int,
