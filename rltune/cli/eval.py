@@ -10,7 +10,9 @@ HELP = """Retrospective forecast accuracy over a case library.
 
 Each run is forecast from only the runs that had finished before it started, as when it was
 planned, and compared with what it measured: median |error| of the step (overall, per workload,
-per method), share within 10 %, training-time error and range coverage. --out DIR gets
+per method), share within 10 %, training-time error and range coverage, and the library's noise
+(the spread of setups run more than once, and what a forecast without error of its own would
+score against it). --out DIR gets
 eval.json (every forecast) and eval.png (predicted against measured, with the +-10 % band).
 
 Example:
@@ -64,6 +66,10 @@ def _print_summary(report) -> None:
     table.add_row("within 10 %", "-" if report.within_10pct is None else f"{report.within_10pct_count} ({100 * report.within_10pct:.0f} %)")
     table.add_row("median |training error|", pct(report.training_median_abs_error_pct))
     table.add_row("range coverage", "-" if report.range_coverage is None else f"{100 * report.range_coverage:.0f} %")
+    if report.repeat_groups:
+        table.add_row(f"repeat noise ({report.repeat_groups} setups run again)", pct(report.repeat_noise_pct))
+        table.add_row("  a perfect forecast: median |error|", pct(report.perfect_forecast_median_abs_error_pct))
+        table.add_row("  a perfect forecast: within 10 %", f"{100 * report.perfect_forecast_within_10pct:.0f} %")
     for workload, err in report.by_workload.items():
         table.add_row(f"  {workload}", pct(err))
     for method, m in report.by_method.items():

@@ -8,16 +8,24 @@ workload and per method, the share within 10 %, the median |error| of training t
 whole time per step, old-logprob pass included, as the forecast's training stage is), and range
 coverage (share of measured steps inside the forecast range). ``plot(report, path)`` draws
 predicted against measured with the +-10 % band (matplotlib, Agg backend).
+
+The report also states the library's own noise: the run-to-run spread of the step among setups
+measured more than once (pooled, log space: :func:`rltune.predict.effects.knob_effects`), and what
+a forecast with no error of its own would score against runs that noisy, were each run's noise
+independent -- its median |error| and its share within 10 %. That is the scale the figures above
+can be read against (runs close in time can share their noise, so a forecast may beat it).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rltune.predict.effects import knob_effects
 from rltune.predict.forecast import forecast_prepared, prepare
 from rltune.predict.library import CaseLibrary, as_cases
 from rltune.predict.setup import setup_from_case
@@ -63,6 +71,12 @@ class EvalReport:
     by_method: dict[str, dict[str, float]] = field(default_factory=dict)
     rows: list[EvalRow] = field(default_factory=list)
     skipped_files: list[str] = field(default_factory=list)
+    # the library's noise: pooled repeat spread of the step (log sd, %), how many setups ran more
+    # than once, and a perfect forecast's median |error| (%) and share within 10 % against that spread
+    repeat_noise_pct: float | None = None
+    repeat_groups: int = 0
+    perfect_forecast_median_abs_error_pct: float | None = None
+    perfect_forecast_within_10pct: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,6 +89,25 @@ class EvalReport:
 
 def _median_abs(values: Sequence[float]) -> float | None:
     return round(statistics.median(abs(v) for v in values), 4) if values else None
+
+
+def _normal_cdf(x: float) -> float:
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+def perfect_forecast(sigma: float) -> tuple[float, float]:
+    """A perfect forecast against runs whose log step carries N(0, sigma) noise: its median
+    |relative error| and its share within 10 %. The relative error of a forecast p of a run that
+    measured m is p / m - 1 = exp(-e) - 1 with e the run's noise, so it is within x when e lies in
+    [-log(1 + x), -log(1 - x)]."""
+    def share_within(x: float) -> float:
+        return _normal_cdf(-math.log(1.0 - x) / sigma) - _normal_cdf(-math.log(1.0 + x) / sigma)
+
+    lo, hi = 0.0, 0.999
+    for _ in range(60):  # share_within grows with x: bisect for the median
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if share_within(mid) < 0.5 else (lo, mid)
+    return (lo + hi) / 2, share_within(BAND)
 
 
 def evaluate(library: CaseLibrary | Sequence[CaseRecord] | str, *, theory: TheoryModel | None = None) -> EvalReport:
@@ -108,6 +141,8 @@ def evaluate(library: CaseLibrary | Sequence[CaseRecord] | str, *, theory: Theor
         subset = [r for r in rows if r.method == m]
         by_method[m] = {"count": len(subset), "median_abs_error_pct": _median_abs([r.error_pct for r in subset]),
                         "range_coverage": round(sum(r.in_range for r in subset) / len(subset), 4)}
+    effects = knob_effects(cases)
+    perfect = perfect_forecast(effects.repeat_noise) if effects.repeat_groups else None
     return EvalReport(
         runs=len(cases), evaluated=len(rows), without_history=without,
         median_abs_error_pct=_median_abs(errors), within_10pct=round(within / len(rows), 4) if rows else None,
@@ -115,6 +150,9 @@ def evaluate(library: CaseLibrary | Sequence[CaseRecord] | str, *, theory: Theor
         range_coverage=round(sum(r.in_range for r in rows) / len(rows), 4) if rows else None,
         by_workload=by_workload, by_method=by_method, rows=rows,
         skipped_files=[f"{path}: {reason}" for path, reason in (lib.skipped if lib is not None else [])],
+        repeat_noise_pct=round(100 * effects.repeat_noise, 4) if perfect else None, repeat_groups=effects.repeat_groups,
+        perfect_forecast_median_abs_error_pct=round(100 * perfect[0], 4) if perfect else None,
+        perfect_forecast_within_10pct=round(perfect[1], 4) if perfect else None,
     )
 
 

@@ -13,7 +13,7 @@ import pytest
 from predict_casekit import make_case
 
 from rltune.predict.effects import knob_effects
-from rltune.predict.evaluate import evaluate, plot
+from rltune.predict.evaluate import evaluate, perfect_forecast, plot
 from rltune.predict.forecast import (
     ANCHOR_UNCERTAINTY_BUDGET,
     RANGE_Z,
@@ -191,6 +191,11 @@ def test_evaluate_uses_only_runs_finished_before_each_start(tmp_path):
     assert report.median_abs_error_pct == pytest.approx(100 * 0.1 / 3.0, rel=1e-3)
     assert report.within_10pct_count == 3 and report.by_workload == {"math": report.median_abs_error_pct}
     assert report.by_method["anchor"]["count"] == 3
+    # all four ran one setup: its repeat spread (log sd, n - 1 degrees of freedom) is the library's noise
+    logs = [math.log(3.0), math.log(3.3), math.log(3.0), math.log(3.0)]
+    sigma = math.sqrt(sum((x - sum(logs) / 4) ** 2 for x in logs) / 3)
+    assert report.repeat_groups == 1 and report.repeat_noise_pct == pytest.approx(100 * sigma, rel=1e-3)
+    assert report.perfect_forecast_median_abs_error_pct == pytest.approx(100 * perfect_forecast(sigma)[0], rel=1e-3)
     png = plot(report, tmp_path / "eval.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
@@ -198,6 +203,18 @@ def test_evaluate_uses_only_runs_finished_before_each_start(tmp_path):
 def test_evaluate_of_an_empty_library_reports_nothing(tmp_path):
     report = evaluate(tmp_path)
     assert (report.runs, report.evaluated, report.median_abs_error_pct, report.range_coverage) == (0, 0, None, None)
+    assert (report.repeat_groups, report.repeat_noise_pct, report.perfect_forecast_within_10pct) == (0, None, None)
+
+
+@pytest.mark.parametrize("sigma", [0.005, 0.03, 0.066, 0.2])
+def test_perfect_forecast_scores_match_sampled_noise(sigma):
+    # a forecast equal to the true step, against runs measured with log-normal noise: sampled directly
+    noise = np.random.default_rng(0).normal(0.0, sigma, 400_000)
+    relative = np.abs(np.exp(-noise) - 1.0)
+    median, within = perfect_forecast(sigma)
+    assert median == pytest.approx(float(np.median(relative)), rel=0.01)
+    assert within == pytest.approx(float(np.mean(relative <= 0.10)), abs=0.002)
+    assert median == pytest.approx(0.6745 * sigma, rel=0.05)  # small noise: the half-normal median
 
 
 def test_vectorised_distances_equal_the_one_by_one_definition():
