@@ -99,11 +99,12 @@ def perfect_forecast(sigma: float) -> tuple[float, float]:
     """A perfect forecast against runs whose log step carries N(0, sigma) noise: its median
     |relative error| and its share within 10 %. The relative error of a forecast p of a run that
     measured m is p / m - 1 = exp(-e) - 1 with e the run's noise, so it is within x when e lies in
-    [-log(1 + x), -log(1 - x)]."""
+    [-log(1 + x), -log(1 - x)] (no upper end for x >= 1)."""
     def share_within(x: float) -> float:
-        return _normal_cdf(-math.log(1.0 - x) / sigma) - _normal_cdf(-math.log(1.0 + x) / sigma)
+        above = _normal_cdf(-math.log(1.0 - x) / sigma) if x < 1.0 else 1.0
+        return above - _normal_cdf(-math.log(1.0 + x) / sigma)
 
-    lo, hi = 0.0, 0.999
+    lo, hi = 0.0, 1.0  # at x = 1 the share is Phi(log 2 / sigma) > 1/2: the median lies below
     for _ in range(60):  # share_within grows with x: bisect for the median
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if share_within(mid) < 0.5 else (lo, mid)

@@ -206,7 +206,7 @@ def test_evaluate_of_an_empty_library_reports_nothing(tmp_path):
     assert (report.repeat_groups, report.repeat_noise_pct, report.perfect_forecast_within_10pct) == (0, None, None)
 
 
-@pytest.mark.parametrize("sigma", [0.005, 0.03, 0.066, 0.2])
+@pytest.mark.parametrize("sigma", [0.005, 0.03, 0.066, 0.2, 1.5])
 def test_perfect_forecast_scores_match_sampled_noise(sigma):
     # a forecast equal to the true step, against runs measured with log-normal noise: sampled directly
     noise = np.random.default_rng(0).normal(0.0, sigma, 400_000)
@@ -214,7 +214,8 @@ def test_perfect_forecast_scores_match_sampled_noise(sigma):
     median, within = perfect_forecast(sigma)
     assert median == pytest.approx(float(np.median(relative)), rel=0.01)
     assert within == pytest.approx(float(np.mean(relative <= 0.10)), abs=0.002)
-    assert median == pytest.approx(0.6745 * sigma, rel=0.05)  # small noise: the half-normal median
+    if sigma < 0.1:
+        assert median == pytest.approx(0.6745 * sigma, rel=0.05)  # small noise: the half-normal median
 
 
 def test_vectorised_distances_equal_the_one_by_one_definition():
