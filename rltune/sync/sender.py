@@ -1,10 +1,13 @@
 """Trainer side: take the delta from the optimizer step itself and publish it.
 
-:func:`chunked_step` steps AdamW (``torch.optim.AdamW``/``Adam``) or :class:`SignSGD` at most
-``chunk_elements`` elements at a time and calls a hook around each chunk. :class:`DeltaPublisher`
-uses the hook to read the chunk's old wire bits just before the write and diff them with the new
-bits just after, so it never keeps a copy of the weights. Tensors that no optimizer steps (buffers,
-frozen parameters) are diffed against a small copy taken at the last anchor/full checkpoint.
+:func:`rltune.sync.chunked.chunked_step` steps AdamW (``torch.optim.AdamW``/``Adam``, fused or not)
+or :class:`SignSGD` at most ``chunk_elements`` elements at a time and calls a hook around each
+chunk. :class:`DeltaPublisher` uses the hook to read the chunk's old wire bits just before the
+write and diff them with the new bits just after, so it never keeps a copy of the weights: with
+the Triton diff/extract kernels into device memory when the weights live on a GPU (one host sync
+at the end of the step), with the torch reference otherwise (``differ``). Tensors that no
+optimizer steps (buffers, frozen parameters) are diffed against a small copy taken at the last
+anchor/full checkpoint.
 
 ``publish(step)`` first checks, from the live weights, that every tensor holds exactly what the
 step wrote (a weight changed outside the step raises), then writes this rank's parts; rank 0
@@ -28,24 +31,24 @@ Example::
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from rltune.sync import codec, store
 from rltune.sync import format as fmt
+from rltune.sync.chunked import DEFAULT_MAX_ELEMENTS, chunked_step
+from rltune.sync.kernels import ChangeCapacityError, ChangeSink
 from rltune.sync.kernels.reference import MASK64, checksum_ref, checksum_update_ref, diff_ref
 from rltune.sync.ops import wire_bits, wire_diff, wire_width
 
-DEFAULT_CHUNK_ELEMENTS = 1 << 26
+DEFAULT_CHUNK_ELEMENTS = DEFAULT_MAX_ELEMENTS
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 for _n in ("float8_e4m3fn", "float8_e5m2"):
     if hasattr(torch, _n):
         _DTYPE_NAMES[getattr(torch, _n)] = _n
-
-ChunkHook = Callable[[torch.Tensor, int, int], None]
 
 
 class SignSGD(torch.optim.Optimizer):
@@ -73,66 +76,6 @@ class SignSGD(torch.optim.Optimizer):
         pc.add_(torch.sign(grad.reshape(-1)[start:stop]), alpha=-group["lr"])
 
 
-@torch.no_grad()
-def chunked_step(optimizer: torch.optim.Optimizer, chunk_elements: int,
-                 before: ChunkHook | None = None, after: ChunkHook | None = None) -> None:
-    """One optimizer step, at most ``chunk_elements`` elements per update, hooks around each chunk.
-
-    Bit-identical to ``optimizer.step()`` (the updates are elementwise; the per-parameter step
-    count advances once). Supports Adam/AdamW without fused/capturable kernels, and SignSGD.
-    """
-    if chunk_elements <= 0:
-        raise ValueError(f"chunk_elements must be positive, got {chunk_elements}")
-
-    def chunks(p: torch.Tensor):
-        if not p.is_contiguous():
-            raise fmt.SyncFormatError("chunked_step needs contiguous parameters; call .contiguous() on the model")
-        n = p.numel()
-        for a in range(0, n, chunk_elements):
-            yield a, min(n, a + chunk_elements)
-
-    if isinstance(optimizer, SignSGD):
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                for a, b in chunks(p):
-                    if before:
-                        before(p, a, b)
-                    SignSGD.step_chunk(p, p.grad, group, a, b)
-                    if after:
-                        after(p, a, b)
-        return
-    if not isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
-        raise fmt.SyncFormatError(f"chunked_step supports Adam/AdamW and SignSGD, not {type(optimizer).__name__}; "
-                                  "wrap the optimizer's own chunking (Muon steps its matrix batches)")
-    from torch.optim.adam import adam
-
-    for group in optimizer.param_groups:
-        if group["fused"] or group["capturable"] or group["differentiable"]:
-            raise fmt.SyncFormatError("chunked AdamW needs fused=False, capturable=False, differentiable=False")
-        params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], [], [], []
-        has_complex = optimizer._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps)
-        beta1, beta2 = group["betas"]
-        for i, p in enumerate(params):
-            step_before = steps[i].clone()
-            step_after = step_before
-            for a, b in chunks(p):
-                step_after = step_before.clone()  # each chunk sees the same step count
-                if before:
-                    before(p, a, b)
-                adam([p.view(-1)[a:b]], [grads[i].reshape(-1)[a:b]], [exp_avgs[i].view(-1)[a:b]],
-                     [exp_avg_sqs[i].view(-1)[a:b]], [max_sqs[i].view(-1)[a:b]] if group["amsgrad"] else [],
-                     [step_after], amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2,
-                     lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-                     maximize=group["maximize"], foreach=False, capturable=False, differentiable=False,
-                     fused=False, grad_scale=None, found_inf=None,
-                     decoupled_weight_decay=group["decoupled_weight_decay"])
-                if after:
-                    after(p, a, b)
-            steps[i].copy_(step_after)
-
-
 class DeltaPublisher:
     """Publishes a model's weights to a broadcast root: deltas from the optimizer step, anchors, full checkpoints.
 
@@ -145,7 +88,8 @@ class DeltaPublisher:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, root: str | Path, interval: int,
                  rank: int = 0, world: int = 1, *, run_id: str | None = None,
                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, wire_dtype: torch.dtype | None = None,
-                 finalize_timeout_s: float = 600.0, dense_fraction: float | None = None, encoder: str = "auto"):
+                 finalize_timeout_s: float = 600.0, dense_fraction: float | None = None, encoder: str = "auto",
+                 differ: str = "auto", change_capacity: float = 0.1):
         if interval < 1:
             raise ValueError(f"interval must be >= 1, got {interval}")
         if not 0 <= rank < world:
@@ -165,6 +109,16 @@ class DeltaPublisher:
         if encoder not in ("auto", "gpu", "host"):
             raise ValueError(f"encoder must be auto, gpu or host, got {encoder!r}")
         self.encoder = encoder
+        # differ: how a chunk's changes are found inside the step. "triton": the diff/extract kernels
+        # into device memory, one host sync when the step ends (ChangeSink); "torch": the reference
+        # (nonzero and two host syncs per chunk); "auto": Triton when the weights live on a GPU.
+        # change_capacity: with the kernels, the share of this rank's elements one step may change;
+        # a step that changes more is published as a full checkpoint.
+        if differ not in ("auto", "triton", "torch"):
+            raise ValueError(f"differ must be auto, triton or torch, got {differ!r}")
+        if not 0 < change_capacity <= 1:
+            raise ValueError(f"change_capacity must be in (0, 1], got {change_capacity}")
+        self.differ, self.change_capacity = differ, change_capacity
         self.root.mkdir(parents=True, exist_ok=True)
 
         state = model.state_dict(keep_vars=True)
@@ -191,11 +145,29 @@ class DeltaPublisher:
         self._static_copy: dict[str, torch.Tensor] = {}
         self._pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._chunk_old: torch.Tensor | None = None
+        self._sink: ChangeSink | None = self._make_sink(stepped)
+        self._slots: dict[torch.dtype, torch.Tensor] = {}  # with the sink: one reused old-bits slot per wire dtype
+        self._overflow = False  # the step changed more than the sink holds: publish it full
         self._stepped = False
         self._last_step: int | None = None
         self._anchor_complete_at_last_publish: int | None = None
 
     # -------------------------------------------------------------------------------- helpers
+
+    def _make_sink(self, stepped: set[int]) -> ChangeSink | None:
+        spans = [(n, self.ranges[n]) for n in self.first_names if id(self.tensors[n]) in stepped]
+        spans = [(n, lo, hi) for n, (lo, hi) in spans if hi > lo]
+        if not spans:
+            return None
+        device = self.tensors[spans[0][0]].device
+        if self.differ == "torch" or (self.differ == "auto" and device.type != "cuda"):
+            return None
+        total = sum(hi - lo for _, lo, hi in spans)
+        # a chunk of the step clamped to this rank's range: at most one per chunk of the whole tensor
+        chunks = sum(-(-self.tensors[n].numel() // self.chunk_elements) for n, _, _ in spans)
+        largest = min(self.chunk_elements, max(hi - lo for _, lo, hi in spans))
+        return ChangeSink(max(1, int(total * self.change_capacity)), largest, chunks, device,
+                          backend="triton", outputs="device")
 
     def _wire_dtype(self, name: str) -> torch.dtype:
         t = self.tensors[name]
@@ -221,7 +193,18 @@ class DeltaPublisher:
         name = self._name_of_param.get(id(p))
         lo, hi = self.ranges[name]
         a, b = max(a, lo), min(b, hi)
-        self._chunk_old = wire_bits(p.view(-1)[a:b], self._wire_dtype(name)).clone() if a < b else None
+        if a >= b:
+            self._chunk_old = None
+            return
+        old = wire_bits(p.view(-1)[a:b], self._wire_dtype(name))
+        if self._sink is None:
+            self._chunk_old = old.clone()
+            return
+        slot = self._slots.get(old.dtype)
+        if slot is None:
+            slot = self._slots[old.dtype] = torch.empty(self._sink.max_chunk_elements, dtype=old.dtype, device=old.device)
+        self._chunk_old = slot[:b - a]
+        self._chunk_old.copy_(old)
 
     def _after_chunk(self, p: torch.Tensor, a: int, b: int) -> None:
         name = self._name_of_param.get(id(p))
@@ -230,6 +213,10 @@ class DeltaPublisher:
         if a >= b:
             return
         new = wire_bits(p.view(-1)[a:b], self._wire_dtype(name))
+        if self._sink is not None:
+            self._sink.append(self._chunk_old, new, a, name)  # no host sync: the kernels queue behind the update
+            self._chunk_old = None
+            return
         idx, new_changed = diff_ref(self._chunk_old, new)
         if idx.numel():
             old_changed = self._chunk_old[idx]
@@ -242,8 +229,29 @@ class DeltaPublisher:
         if self._last_step is None:
             raise fmt.ChainError("publish the boot checkpoint (publish(0)) before the first optimizer step, so the "
                                  "engines have a base for the first delta")
-        chunked_step(self.optimizer, self.chunk_elements, self._before_chunk, self._after_chunk)
+        hook = SimpleNamespace(before=self._before_chunk, after=self._after_chunk)
+        if self._sink is not None:
+            self._sink.reset()
+        chunked_step(self.optimizer, hook, self.chunk_elements)
+        if self._sink is not None:
+            self._take_sink_changes()
         self._stepped = True
+
+    def _take_sink_changes(self) -> None:
+        """The step's changes from the sink (one host sync), as the torch path records them per chunk."""
+        self._sink.finish()
+        try:
+            chunks = self._sink.collect()
+        except ChangeCapacityError:
+            self._overflow = True  # the running checksums no longer follow the weights: the publish goes full
+            return
+        for c in chunks:
+            if c.idx_C.numel() == 0:
+                continue
+            bits = wire_width(self._bits(c.key))
+            self._checksums[c.key] = (self._checksums[c.key] + c.checksum_change) & MASK64
+            # copies: the sink's buffers are reused by the next step
+            self._pending.setdefault(c.key, []).append((c.idx_C.clone(), wire_diff(c.old_C, c.new_C, bits)))
 
     # -------------------------------------------------------------------------------- publishing
 
@@ -268,7 +276,7 @@ class DeltaPublisher:
         if self._last_step is not None and step <= self._last_step:
             raise fmt.ChainError(f"publish({step}) after publish({self._last_step}): steps must increase")
         step_dir = self.root / fmt.step_dir_name(step)
-        if self._stepped and self._last_step is not None:
+        if self._stepped and self._last_step is not None and not self._overflow:
             kind = "anchor" if step % self.interval == 0 else "delta"
             self._verify_live()
             if kind == "delta" and self._dense():
@@ -291,7 +299,7 @@ class DeltaPublisher:
                        files=[dict(rank=self.rank, file=f, bytes=len(d)) for f, d in files.items()])
         store.write_rank_files(step_dir, self.rank, files, summary)
         self._pending.clear()
-        self._stepped = False
+        self._stepped = self._overflow = False
         self._last_step = step
         if self.rank != 0:
             return None

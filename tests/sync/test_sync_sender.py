@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 from sync_helpers import Trainer, assert_same_params, engine_cfg, make_receiver, reference_engine, tiny_qwen3
 
 from rltune.sync import format as fmt
-from rltune.sync.sender import SignSGD, chunked_step
+from rltune.sync.chunked import chunked_step
+from rltune.sync.sender import SignSGD
 from rltune.sync.store import BroadcastStore
 
 
@@ -38,7 +40,7 @@ def test_chunked_step_is_bit_identical_to_the_plain_step(dtype, chunk, opt_name)
     for step in range(3):
         _grads(a, step), _grads(b, step)
         oa.step()
-        chunked_step(ob, chunk, before=lambda p, s, e: seen.append((s, e)), after=None)
+        chunked_step(ob, SimpleNamespace(before=lambda p, s, e: seen.append((s, e)), after=lambda p, s, e: None), chunk)
     for (n, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb), n
     assert not torch.equal(a["a"], _odd_model(dtype)["a"])  # the steps did move the weights
@@ -198,3 +200,56 @@ def test_gpu_encoder_publishes_the_host_encoders_bytes(tmp_path):
     assert parts[0] == parts[1]
     header, _ = fmt.read_part_header(tmp_path / "gpu" / fmt.step_dir_name(1) / "rank-00000.delta")
     assert sum(e["changes"] for e in header["entries"]) > 100
+
+
+KERNELS_RUN = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not KERNELS_RUN, reason="the diff kernels need a GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize(("optimizer", "dtype", "wire_dtype", "rank", "world"), [
+    ("adamw", torch.bfloat16, None, 0, 1),
+    ("signsgd", torch.float32, torch.bfloat16, 0, 1),  # fp32 master weights sent as bf16
+    ("adamw", torch.bfloat16, None, 1, 2),  # this rank's rows only
+])
+def test_triton_differ_publishes_the_reference_bytes(tmp_path, optimizer, dtype, wire_dtype, rank, world):
+    # the same model, data and steps published with each differ: every part file byte-identical,
+    # through deltas and an anchor
+    published = {}
+    for differ in ("torch", "triton"):
+        root = tmp_path / differ
+        lr = 1e-5 if optimizer == "adamw" else 1e-3
+        tr = Trainer(root, interval=3, optimizer=optimizer, lr=lr, dtype=dtype, wire_dtype=wire_dtype, rank=rank,
+                     world=world, differ=differ, change_capacity=1.0)
+        assert (tr.pub._sink is not None) == (differ == "triton")
+        tr.pub.publish(0)
+        kinds = []
+        for step in (1, 2, 3):
+            tr.train_step()
+            kinds.append(tr.pub.publish(step))
+        published[differ] = {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("rank-*"))}
+        if rank == 0:
+            assert [m["kind"] for m in kinds] == ["delta", "delta", "anchor"]
+    assert published["torch"].keys() == published["triton"].keys() and len(published["torch"]) >= 6
+    for name, data in published["torch"].items():
+        assert published["triton"][name] == data, name
+    header, _ = fmt.read_part_header(tmp_path / "triton" / fmt.step_dir_name(1) / f"rank-{rank:05d}.delta")
+    assert sum(e["changes"] for e in header["entries"]) > 100
+
+
+@pytest.mark.skipif(not KERNELS_RUN, reason="the diff kernels need a GPU or TRITON_INTERPRET=1")
+def test_a_step_beyond_the_change_capacity_goes_out_full_and_the_chain_goes_on(tmp_path):
+    tr = Trainer(tmp_path, interval=10, lr=1e-3, differ="triton", change_capacity=0.01)
+    m0 = tr.pub.publish(0)
+    tr.train_step()  # lr 1e-3 moves far more than 1 % of the bf16 weights
+    assert tr.pub._overflow
+    assert tr.pub.publish(1)["kind"] == "full"
+    for group in tr.opt.param_groups:
+        group["lr"] = 1e-6  # a step small enough for the sink
+    tr.train_step()
+    assert not tr.pub._overflow
+    m2 = tr.pub.publish(2)
+    assert m2["kind"] == "delta" and m2["base_step"] == 1
+    cfg = engine_cfg(tr)
+    engine, rx = make_receiver(tmp_path, cfg, m0)
+    assert rx.load_latest().step == 2
+    assert_same_params(engine, reference_engine(cfg, tr.wire_state()))

@@ -143,12 +143,14 @@ class ChangeSink:
 
     On CUDA the buffers are pinned and the gather kernel writes into them directly; where each
     chunk starts and its checksum change stay on the device until :meth:`finish` copies them
-    (asynchronously) and :meth:`collect` waits for that copy. On CPU it runs the torch reference.
+    (asynchronously) and :meth:`collect` waits for that copy. ``outputs="device"`` keeps the
+    changes in device memory instead, for a consumer on the same device (the GPU encoder): only
+    the chunk starts and checksum changes cross to the host. On CPU it runs the torch reference.
     ``capacity`` bounds the changes of one step: more raise :class:`ChangeCapacityError` at collect.
     """
 
     def __init__(self, capacity: int, max_chunk_elements: int, max_chunks: int,
-                 device: torch.device | str = "cpu", backend: str = "auto"):
+                 device: torch.device | str = "cpu", backend: str = "auto", outputs: str = "host"):
         if capacity < 1 or max_chunk_elements < 1 or max_chunks < 1:
             raise KernelError(f"ChangeSink needs positive sizes, got capacity={capacity}, "
                               f"max_chunk_elements={max_chunk_elements}, max_chunks={max_chunks}")
@@ -156,11 +158,14 @@ class ChangeSink:
             raise KernelError(f"max_chunk_elements {max_chunk_elements} exceeds 2^31 - 1")
         self.device = torch.device(device)
         self.capacity, self.max_chunk_elements, self.max_chunks = capacity, max_chunk_elements, max_chunks
+        if outputs not in ("host", "device"):
+            raise KernelError(f"ChangeSink outputs must be 'host' or 'device', got {outputs!r}")
         self.triton = _use_triton(self.device, backend)
         pin = self.device.type == "cuda"
-        self.idx = torch.empty(capacity, dtype=torch.int64, pin_memory=pin)
-        self.new = torch.empty(capacity, dtype=torch.int32, pin_memory=pin)
-        self.old = torch.empty(capacity, dtype=torch.int32, pin_memory=pin)
+        where = dict(device=self.device) if outputs == "device" else dict(pin_memory=pin)
+        self.idx = torch.empty(capacity, dtype=torch.int64, **where)
+        self.new = torch.empty(capacity, dtype=torch.int32, **where)
+        self.old = torch.empty(capacity, dtype=torch.int32, **where)
         self._start_dev = torch.zeros(max_chunks + 1, dtype=torch.int64, device=self.device)
         self._checksum_dev = torch.zeros(max_chunks, dtype=torch.int64, device=self.device)
         self._start_host = torch.zeros(max_chunks + 1, dtype=torch.int64, pin_memory=pin)

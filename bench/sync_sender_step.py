@@ -1,0 +1,120 @@
+"""Benchmark the trainer's optimizer step with the delta publisher: the torch reference diff against
+the Triton diff/extract kernels, on the same model, data and AdamW steps, in one run.
+
+Two copies of a ``rltune.workload.model`` preset (random init, bf16) with the same seed get the same
+random token batches; each has its own ``torch.optim.AdamW`` and a ``DeltaPublisher`` (one with
+``differ="torch"``, one with ``differ="triton"``). Per step: ``publisher.step()`` (the chunked
+optimizer step with the diff inside it), timed with CUDA events around the host call; then both
+publish, and their delta part files must be byte-identical (the run stops otherwise). A plain
+``optimizer.step()`` of a third copy is the baseline. Min/median/max over the steps after
+``--warmup`` go into the JSON record (device, versions, git SHA).
+
+Usage (one GPU)::
+
+    python bench/sync_sender_step.py --model small --steps 4 --out bench/results/sync_sender_step-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rltune.sync import format as fmt  # noqa: E402
+from rltune.sync.bench import device_info, git_sha  # noqa: E402
+from rltune.sync.sender import DeltaPublisher  # noqa: E402
+from rltune.workload.model import build_model, resolve_device  # noqa: E402
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    return dict(min_ms=1e3 * min(values), median_ms=1e3 * statistics.median(values), max_ms=1e3 * max(values))
+
+
+def timed(device: torch.device, fn) -> float:
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    fn()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=["tiny", "small"], default="small")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    device = torch.device(resolve_device(args.device))
+    with tempfile.TemporaryDirectory() as tmp:
+        arms: dict[str, tuple] = {}
+        for name in ("plain", "torch", "triton"):
+            model = build_model(args.model, 0, torch.bfloat16, device)
+            opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, foreach=False)
+            pub = None
+            if name != "plain":
+                pub = DeltaPublisher(model, opt, Path(tmp) / name, interval=10**6, run_id="sync-sender-step",
+                                     differ=name, change_capacity=0.25)
+                pub.publish(0)
+            arms[name] = (model, opt, pub)
+        gen = torch.Generator(device=device).manual_seed(1)
+        vocab = arms["plain"][0].config.vocab_size
+        times: dict[str, list[float]] = {n: [] for n in arms}
+        changes = []
+        for step in range(1, args.warmup + args.steps + 1):
+            ids = torch.randint(0, vocab, (args.batch, args.seq_len), generator=gen, device=device)
+            for name, (model, opt, pub) in arms.items():
+                model(input_ids=ids, labels=ids).loss.backward()
+                seconds = timed(device, opt.step if pub is None else pub.step)
+                opt.zero_grad(set_to_none=True)
+                if step > args.warmup:
+                    times[name].append(seconds)
+            parts = {}
+            for name in ("torch", "triton"):
+                kind = arms[name][2].publish(step)["kind"]
+                step_dir = Path(tmp) / name / fmt.step_dir_name(step)
+                parts[name] = (kind, {p.name: p.read_bytes() for p in sorted(step_dir.glob("rank-*"))})
+            if parts["torch"] != parts["triton"]:
+                raise SystemExit(f"step {step}: the two differs published different parts "
+                                 f"({parts['torch'][0]} and {parts['triton'][0]})")
+            if parts["triton"][0] != "delta":
+                raise SystemExit(f"step {step}: published {parts['triton'][0]}, not a delta; lower --lr")
+            header, _ = fmt.read_part_header(Path(tmp) / "triton" / fmt.step_dir_name(step) / "rank-00000.delta")
+            changes.append(sum(e["changes"] for e in header["entries"]))
+            print(f"step {step}: " + ", ".join(f"{n} {1e3 * v[-1]:.1f} ms" for n, v in times.items() if v)
+                  + f"; {changes[-1]} changes, deltas identical", flush=True)
+    params = sum(p.numel() for p in arms["plain"][0].parameters())
+    record = dict(benchmark="sync_sender_step", git_sha=git_sha(), device=device_info(str(device)), model=args.model,
+                  params=params, lr=args.lr, batch=args.batch, seq_len=args.seq_len, steps=args.steps,
+                  warmup=args.warmup, changes_per_step=changes[args.warmup:],
+                  plain_step=stats(times["plain"]), step_torch_differ=stats(times["torch"]),
+                  step_triton_differ=stats(times["triton"]), deltas_identical=True)
+    record["extra_ms_torch_differ"] = record["step_torch_differ"]["median_ms"] - record["plain_step"]["median_ms"]
+    record["extra_ms_triton_differ"] = record["step_triton_differ"]["median_ms"] - record["plain_step"]["median_ms"]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1), encoding="utf-8")
+    print(json.dumps({k: record[k] for k in ("plain_step", "step_torch_differ", "step_triton_differ",
+                                             "extra_ms_torch_differ", "extra_ms_triton_differ")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
