@@ -4,8 +4,8 @@
 or :class:`SignSGD` at most ``chunk_elements`` elements at a time and calls a hook around each
 chunk. :class:`DeltaPublisher` uses the hook to read the chunk's old wire bits just before the
 write and diff them with the new bits just after, so it never keeps a copy of the weights: with
-the Triton diff/extract kernels into device memory when the weights live on a GPU (one host sync
-at the end of the step), with the torch reference otherwise (``differ``). Tensors that no
+the torch reference, or (``differ="triton"``, or ``"auto"`` when the weights live on a GPU) with
+the Triton diff/extract kernels into device memory and one host sync at the end of the step. Tensors that no
 optimizer steps (buffers, frozen parameters) are diffed against a small copy taken at the last
 anchor/full checkpoint.
 
@@ -89,7 +89,7 @@ class DeltaPublisher:
                  rank: int = 0, world: int = 1, *, run_id: str | None = None,
                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, wire_dtype: torch.dtype | None = None,
                  finalize_timeout_s: float = 600.0, dense_fraction: float | None = None, encoder: str = "auto",
-                 differ: str = "auto", change_capacity: float = 0.1):
+                 differ: str = "torch", change_capacity: float = 0.1):
         if interval < 1:
             raise ValueError(f"interval must be >= 1, got {interval}")
         if not 0 <= rank < world:
@@ -112,6 +112,7 @@ class DeltaPublisher:
         # differ: how a chunk's changes are found inside the step. "triton": the diff/extract kernels
         # into device memory, one host sync when the step ends (ChangeSink); "torch": the reference
         # (nonzero and two host syncs per chunk); "auto": Triton when the weights live on a GPU.
+        # The default stays "torch" until bench/sync_sender_step.py has timed both on a GPU.
         # change_capacity: with the kernels, the share of this rank's elements one step may change;
         # a step that changes more is published as a full checkpoint.
         if differ not in ("auto", "triton", "torch"):

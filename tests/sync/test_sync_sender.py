@@ -236,6 +236,15 @@ def test_triton_differ_publishes_the_reference_bytes(tmp_path, optimizer, dtype,
     assert sum(e["changes"] for e in header["entries"]) > 100
 
 
+def test_differ_choices(tmp_path):
+    assert Trainer(tmp_path / "a", differ="auto").pub._sink is None  # CPU weights: the torch reference
+    assert Trainer(tmp_path / "b").pub._sink is None  # the default
+    with pytest.raises(ValueError, match="differ must be"):
+        Trainer(tmp_path / "c", differ="cuda")
+    with pytest.raises(ValueError, match="change_capacity"):
+        Trainer(tmp_path / "d", differ="triton", change_capacity=0.0)
+
+
 @pytest.mark.skipif(not KERNELS_RUN, reason="the diff kernels need a GPU or TRITON_INTERPRET=1")
 def test_a_step_beyond_the_change_capacity_goes_out_full_and_the_chain_goes_on(tmp_path):
     tr = Trainer(tmp_path, interval=10, lr=1e-3, differ="triton", change_capacity=0.01)
