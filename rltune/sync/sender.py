@@ -5,9 +5,9 @@ or :class:`SignSGD` at most ``chunk_elements`` elements at a time and calls a ho
 chunk. :class:`DeltaPublisher` uses the hook to read the chunk's old wire bits just before the
 write and diff them with the new bits just after, so it never keeps a copy of the weights: with
 the torch reference, or (``differ="triton"``, or ``"auto"`` when the weights live on a GPU) with
-the Triton diff/extract kernels into device memory and one host sync at the end of the step. Tensors that no
-optimizer steps (buffers, frozen parameters) are diffed against a small copy taken at the last
-anchor/full checkpoint.
+the Triton diff/extract kernels into device memory and one host sync at the end of the step.
+Tensors that no optimizer steps (buffers, frozen parameters) are diffed against a small copy taken
+at the last anchor/full checkpoint.
 
 ``publish(step)`` first checks, from the live weights, that every tensor holds exactly what the
 step wrote (a weight changed outside the step raises), then writes this rank's parts; rank 0
@@ -148,6 +148,7 @@ class DeltaPublisher:
         self._chunk_old: torch.Tensor | None = None
         self._sink: ChangeSink | None = self._make_sink(stepped)
         self._slots: dict[torch.dtype, torch.Tensor] = {}  # with the sink: one reused old-bits slot per wire dtype
+        self._sink_widths: dict[str, int] = {}  # with the sink: each stepped tensor's wire width
         self._overflow = False  # the step changed more than the sink holds: publish it full
         self._stepped = False
         self._last_step: int | None = None
@@ -216,6 +217,7 @@ class DeltaPublisher:
         new = wire_bits(p.view(-1)[a:b], self._wire_dtype(name))
         if self._sink is not None:
             self._sink.append(self._chunk_old, new, a, name)  # no host sync: the kernels queue behind the update
+            self._sink_widths[name] = wire_width(new)
             self._chunk_old = None
             return
         idx, new_changed = diff_ref(self._chunk_old, new)
@@ -249,7 +251,7 @@ class DeltaPublisher:
         for c in chunks:
             if c.idx_C.numel() == 0:
                 continue
-            bits = wire_width(self._bits(c.key))
+            bits = self._sink_widths[c.key]
             self._checksums[c.key] = (self._checksums[c.key] + c.checksum_change) & MASK64
             # copies: the sink's buffers are reused by the next step
             self._pending.setdefault(c.key, []).append((c.idx_C.clone(), wire_diff(c.old_C, c.new_C, bits)))
