@@ -21,12 +21,13 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sync_kernels import Timer  # noqa: E402  (bench/, beside this script)
 
 from rltune.sync import format as fmt  # noqa: E402
 from rltune.sync.bench import device_info, git_sha  # noqa: E402
@@ -36,20 +37,6 @@ from rltune.workload.model import build_model, resolve_device  # noqa: E402
 
 def stats(values: list[float]) -> dict[str, float]:
     return dict(min_ms=1e3 * min(values), median_ms=1e3 * statistics.median(values), max_ms=1e3 * max(values))
-
-
-def timed(device: torch.device, fn) -> float:
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    fn()
-    stop.record()
-    stop.synchronize()
-    return start.elapsed_time(stop) / 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                                      differ=name, change_capacity=0.25)
                 pub.publish(0)
             arms[name] = (model, opt, pub)
+        once = Timer(device, warmup=0, repeats=1)  # each step runs exactly once
         gen = torch.Generator(device=device).manual_seed(1)
         vocab = arms["plain"][0].config.vocab_size
         times: dict[str, list[float]] = {n: [] for n in arms}
@@ -83,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             ids = torch.randint(0, vocab, (args.batch, args.seq_len), generator=gen, device=device)
             for name, (model, opt, pub) in arms.items():
                 model(input_ids=ids, labels=ids).loss.backward()
-                seconds = timed(device, opt.step if pub is None else pub.step)
+                seconds = once(opt.step if pub is None else pub.step)["median_ms"] / 1e3
                 opt.zero_grad(set_to_none=True)
                 if step > args.warmup:
                     times[name].append(seconds)
