@@ -162,8 +162,11 @@ class DeltaPublisher:
         if not spans:
             return None
         device = self.tensors[spans[0][0]].device
-        if self.differ == "torch" or (self.differ == "auto" and device.type != "cuda"):
+        one_device = all(self.tensors[n].device == device for n, _, _ in spans)
+        if self.differ == "torch" or (self.differ == "auto" and (device.type != "cuda" or not one_device)):
             return None
+        if not one_device:
+            raise ValueError("differ='triton' needs every stepped tensor on one device; use differ='torch'")
         total = sum(hi - lo for _, lo, hi in spans)
         # a chunk of the step clamped to this rank's range: at most one per chunk of the whole tensor
         chunks = sum(-(-self.tensors[n].numel() // self.chunk_elements) for n, _, _ in spans)

@@ -11,7 +11,7 @@ from sync_helpers import Trainer, assert_same_params, engine_cfg, make_receiver,
 
 from rltune.sync import format as fmt
 from rltune.sync.chunked import chunked_step
-from rltune.sync.sender import SignSGD
+from rltune.sync.sender import DeltaPublisher, SignSGD
 from rltune.sync.store import BroadcastStore
 
 
@@ -130,7 +130,6 @@ def test_frozen_tensors_are_diffed_against_the_checkpoint_copy(tmp_path):
     model = tiny_qwen3()
     frozen = model.model.norm.weight
     opt = torch.optim.AdamW([p for p in model.parameters() if p is not frozen], lr=1e-3)
-    from rltune.sync.sender import DeltaPublisher
     pub = DeltaPublisher(model, opt, tmp_path, interval=10, run_id="r", chunk_elements=500)
     m0 = pub.publish(0)
     assert "model.norm.weight" in pub.static_names
@@ -243,6 +242,12 @@ def test_differ_choices(tmp_path):
         Trainer(tmp_path / "c", differ="cuda")
     with pytest.raises(ValueError, match="change_capacity"):
         Trainer(tmp_path / "d", differ="triton", change_capacity=0.0)
+    split = torch.nn.ParameterDict({"a": torch.nn.Parameter(torch.zeros(4)),
+                                    "b": torch.nn.Parameter(torch.zeros(4, device="meta"))})
+    opt = torch.optim.AdamW(split.parameters())
+    with pytest.raises(ValueError, match="one device"):
+        DeltaPublisher(split, opt, tmp_path / "e", 10, differ="triton")
+    assert DeltaPublisher(split, opt, tmp_path / "f", 10, differ="auto")._sink is None
 
 
 @pytest.mark.skipif(not KERNELS_RUN, reason="the diff kernels need a GPU or TRITON_INTERPRET=1")
