@@ -104,10 +104,11 @@ class DeltaReceiver:
         import torch.distributed as dist
         signed = [v - (1 << 64) if v >= 1 << 63 else v for v in (x & MASK64 for x in values)]
         t = torch.tensor(signed, dtype=torch.int64)
-        # int64 addition wraps modulo 2^64: exactly the checksum ring.
-        combine = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]  # torch's reduction operators
-        dist.all_reduce(t, op=combine, group=self.group)
-        return [int(v) & MASK64 for v in t.tolist()] if op == "sum" else [int(v) for v in t.tolist()]
+        every = [torch.empty_like(t) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(every, t, group=self.group)
+        columns = list(zip(*(g.tolist() for g in every), strict=True))
+        # the sum is taken modulo 2^64: exactly the checksum ring
+        return [sum(c) & MASK64 for c in columns] if op == "sum" else [max(c) for c in columns]
 
     def _broadcast_plan(self, plan: dict | None) -> dict:
         if self.group is None:
