@@ -291,10 +291,6 @@ def normalize_freqs_rows(counts_BS: np.ndarray, scale_bits: int) -> np.ndarray:
     return f
 
 
-def _normalize_freqs(counts: np.ndarray, scale_bits: int) -> np.ndarray:
-    return normalize_freqs_rows(counts[None, :], scale_bits)[0]
-
-
 def rice_candidates(mean_gap: float, hi: int = RICE_RAW_BITS - 1) -> range:
     """The Rice parameters worth costing for gaps of this mean (the block coder's and the dense
     estimate's, which allows ``hi`` past the raw width). Also the GPU encoder's."""
@@ -340,7 +336,7 @@ def _encode_block(first: int, gaps: np.ndarray | None, zz: np.ndarray) -> bytes:
     extra = np.zeros(count * 4 + 8, dtype=np.uint8)
     extra_bytes = extra[:_symbolize(zz, syms, extra)].tobytes()
     counts = np.bincount(syms, minlength=1)
-    freq = _normalize_freqs(counts, SCALE_BITS)
+    freq = normalize_freqs_rows(counts[None, :], SCALE_BITS)[0]
     cum = np.concatenate(([0], np.cumsum(freq)[:-1])).astype(np.int64)
     n_lanes = max(1, min(MAX_LANES, count // SYMBOLS_PER_LANE))
     out = np.empty(count * 2 + 8 * n_lanes, dtype=np.uint8)

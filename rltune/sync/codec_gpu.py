@@ -146,10 +146,11 @@ def encode_many_gpu(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, i
             ks = _k_window(int(sb_gap_sum[b]), int(sb_count[b]) - 1, C.RICE_RAW_BITS - 1)
             k_sb[b, :len(ks)], n_k_sb[b] = ks, len(ks)
     k_job = np.zeros((n_jobs, 4), dtype=np.int64)
+    n_k_job = np.zeros(n_jobs, dtype=np.int64)  # no gaps (one change): no Rice bits
     for j in dense_candidates:
         if counts[j] > 1:
             ks = _k_window(int(gap_sum_J[j]), counts[j] - 1, 99)
-            k_job[j, :len(ks)] = ks
+            k_job[j, :len(ks)], n_k_job[j] = ks, len(ks)
     k_sb_dev, k_job_dev = on_dev(k_sb), on_dev(k_job)
     sb_cost, job_cost = [], []
     for slot in range(4):
@@ -172,8 +173,7 @@ def encode_many_gpu(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, i
         for b in np.flatnonzero(sb_job == j):
             hist[:C.N_DIRECT] += sb_hist[b, :C.N_DIRECT]
             hist[C.N_DIRECT] += sb_hist[b, C.N_DIRECT:C.N_SYMBOLS_MAX].sum()
-        ks = _k_window(int(gap_sum_J[j]), counts[j] - 1, 99) if counts[j] > 1 else []
-        rice = min((int(job_cost[j, s]) for s in range(len(ks))), default=0)
+        rice = min((int(job_cost[j, s]) for s in range(n_k_job[j])), default=0)
         dense_J[j] = C.dense_beats_sparse(hist, rice, numel_J[j], counts[j])
 
     # --- 3. the coded blocks: sparse blocks of sparse jobs, element blocks of dense jobs
