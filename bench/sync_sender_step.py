@@ -31,7 +31,7 @@ from sync_kernels import Timer  # noqa: E402  (bench/, beside this script)
 
 from rltune.sync import format as fmt  # noqa: E402
 from rltune.sync.bench import device_info, git_sha  # noqa: E402
-from rltune.sync.sender import DeltaPublisher  # noqa: E402
+from rltune.sync.sender import DEFAULT_CHUNK_ELEMENTS, DeltaPublisher  # noqa: E402
 from rltune.workload.model import build_model, resolve_device  # noqa: E402
 
 
@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--chunk-elements", type=int, default=DEFAULT_CHUNK_ELEMENTS,
+                        help="elements per optimizer-step chunk (the diff hook's granularity)")
+    parser.add_argument("--fused", action="store_true", help="torch's fused AdamW (default: the per-tensor loop)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     device = torch.device(resolve_device(args.device))
@@ -55,11 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         arms: dict[str, tuple] = {}
         for name in ("plain", "torch", "triton"):
             model = build_model(args.model, 0, torch.bfloat16, device)
-            opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, foreach=False)
+            opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01,
+                                    **(dict(fused=True) if args.fused else dict(foreach=False)))
             pub = None
             if name != "plain":
                 pub = DeltaPublisher(model, opt, Path(tmp) / name, interval=10**6, run_id="sync-sender-step",
-                                     differ=name, change_capacity=0.25)
+                                     differ=name, change_capacity=0.25, chunk_elements=args.chunk_elements)
                 pub.publish(0)
             arms[name] = (model, opt, pub)
         once = Timer(device, warmup=0, repeats=1)  # each step runs exactly once
@@ -91,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                   + f"; {changes[-1]} changes, deltas identical", flush=True)
     params = sum(p.numel() for p in arms["plain"][0].parameters())
     record = dict(benchmark="sync_sender_step", git_sha=git_sha(), device=device_info(str(device)), model=args.model,
-                  params=params, lr=args.lr, batch=args.batch, seq_len=args.seq_len, steps=args.steps,
+                  params=params, chunk_elements=args.chunk_elements, fused_adamw=args.fused, lr=args.lr,
+                  batch=args.batch, seq_len=args.seq_len, steps=args.steps,
                   warmup=args.warmup, changes_per_step=changes[args.warmup:],
                   plain_step=stats(times["plain"]), step_torch_differ=stats(times["torch"]),
                   step_triton_differ=stats(times["triton"]), deltas_identical=True)

@@ -130,6 +130,7 @@ class TransportContext:
     workdir: Path
     anchor_interval: int = 50
     chunk_elements: int = 1 << 26
+    differ: str = "torch"  # sparse: DeltaPublisher's differ (auto, triton, torch)
     nccl_engines: int = 1
     nccl_timeout_s: float = 300.0
     dense_fraction: float | None = None  # sparse: publish a step this dense as a full checkpoint (None: never)
@@ -345,7 +346,8 @@ class SparseDelta(Transport):
         super().__init__(ctx)
         self.root = ctx.workdir / "sparse"
         self.publisher = DeltaPublisher(ctx.model, ctx.optimizer, self.root, ctx.anchor_interval, dense_fraction=ctx.dense_fraction,
-                                        run_id=f"sync-bench-{uuid.uuid4().hex[:8]}", chunk_elements=ctx.chunk_elements)
+                                        run_id=f"sync-bench-{uuid.uuid4().hex[:8]}", chunk_elements=ctx.chunk_elements,
+                                        differ=ctx.differ)
         self.engine = ctx.new_engine()
         self.gate = EngineGate(ctx.engine_device)
         self.apply_fn = ctx.apply_fn or default_apply_fn()

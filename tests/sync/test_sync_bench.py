@@ -172,9 +172,17 @@ def test_resolve_preset_accepts_a_path_and_rejects_a_missing_file(tmp_path):
         resolve_preset(str(tmp_path / "missing.yaml"))
 
 
+def test_unknown_differ_in_a_preset_is_located(tmp_path):
+    (tmp_path / "bad.yaml").write_text((PRESET_DIR / "cpu.yaml").read_text() + "differ: cuda\n")
+    with pytest.raises(WrongTypeError, match="differ"):
+        load_sync_bench_config(tmp_path / "bad.yaml")
+
+
 @pytest.mark.gpu
-def test_gpu_run_verifies_every_update(tmp_path):
+@pytest.mark.parametrize("differ", ["torch", "triton"])
+def test_gpu_run_verifies_every_update(tmp_path, differ):
     cfg = with_overrides(load_sync_bench_config(PRESET_DIR / "cpu.yaml"), device="cuda", steps=2,
-                         transports=["filesystem", "inprocess", "sparse"])
+                         transports=["filesystem", "inprocess", "sparse"], differ=differ)
     result = run_sync_bench(cfg, Path(tmp_path))
     assert result.all_verified and result.record["device"]["type"] == "cuda"
+    assert result.record["config"]["differ"] == differ
