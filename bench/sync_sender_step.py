@@ -1,12 +1,13 @@
 """Benchmark the trainer's optimizer step with the delta publisher: the torch reference diff against
 the Triton diff/extract kernels, on the same model, data and AdamW steps, in one run.
 
-Two copies of a ``rltune.workload.model`` preset (random init, bf16) with the same seed get the same
-random token batches; each has its own ``torch.optim.AdamW`` and a ``DeltaPublisher`` (one with
-``differ="torch"``, one with ``differ="triton"``). Per step: ``publisher.step()`` (the chunked
-optimizer step with the diff inside it), timed with CUDA events around the host call; then both
-publish, and their delta part files must be byte-identical (the run stops otherwise). A plain
-``optimizer.step()`` of a third copy is the baseline. Min/median/max over the steps after
+Three copies of a ``rltune.workload.model`` preset (random init, bf16, same seed) each have their own
+``torch.optim.AdamW``; two have a ``DeltaPublisher`` (one with ``differ="torch"``, one with
+``differ="triton"``). Per step, one backward on a random token batch gives the gradients, copied to
+every copy, whose weights must still be bit-identical (the chunked step is exact); then
+``publisher.step()`` (the chunked optimizer step with the diff inside it) is timed with CUDA events
+around the host call, both publish, and their delta part files must be byte-identical (the run stops
+otherwise). A plain ``optimizer.step()`` of the third copy is the baseline. Min/median/max over the steps after
 ``--warmup`` go into the JSON record (device, versions, git SHA).
 
 Usage (one GPU)::
@@ -73,8 +74,17 @@ def main(argv: list[str] | None = None) -> int:
         changes = []
         for step in range(1, args.warmup + args.steps + 1):
             ids = torch.randint(0, vocab, (args.batch, args.seq_len), generator=gen, device=device)
-            for name, (model, opt, pub) in arms.items():
-                model(input_ids=ids, labels=ids).loss.backward()
+            # One backward, its gradients copied to every arm: CUDA backward kernels that add with
+            # atomics (the embedding's) give slightly different gradients from run to run.
+            plain = list(arms["plain"][0].parameters())
+            arms["plain"][0](input_ids=ids, labels=ids).loss.backward()
+            for name, (model, _, _) in arms.items():
+                for p, q in zip(model.parameters(), plain, strict=True):
+                    if not torch.equal(p.view(torch.int16), q.view(torch.int16)):
+                        raise SystemExit(f"step {step}: the {name} arm's weights left the plain step's")
+                    if p is not q:
+                        p.grad = q.grad.clone()
+            for name, (_, opt, pub) in arms.items():
                 seconds = once(opt.step if pub is None else pub.step)["median_ms"] / 1e3
                 opt.zero_grad(set_to_none=True)
                 if step > args.warmup:
@@ -85,8 +95,13 @@ def main(argv: list[str] | None = None) -> int:
                 step_dir = Path(tmp) / name / fmt.step_dir_name(step)
                 parts[name] = (kind, {p.name: p.read_bytes() for p in sorted(step_dir.glob("rank-*"))})
             if parts["torch"] != parts["triton"]:
-                raise SystemExit(f"step {step}: the two differs published different parts "
-                                 f"({parts['torch'][0]} and {parts['triton'][0]})")
+                heads = {n: fmt.read_part_header(Path(tmp) / n / fmt.step_dir_name(step) / "rank-00000.delta")[0]
+                         for n in ("torch", "triton")}
+                odd = [(a["name"], a["changes"], b["changes"])
+                       for a, b in zip(heads["torch"]["entries"], heads["triton"]["entries"], strict=False)
+                       if a != b]
+                raise SystemExit(f"step {step}: the two differs published different parts; entries "
+                                 f"(name, torch changes, triton changes) that differ: {odd[:5]}")
             if parts["triton"][0] != "delta":
                 raise SystemExit(f"step {step}: published {parts['triton'][0]}, not a delta; lower --lr")
             header, _ = fmt.read_part_header(Path(tmp) / "triton" / fmt.step_dir_name(step) / "rank-00000.delta")
