@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--chunk-elements", type=int, default=DEFAULT_CHUNK_ELEMENTS,
                         help="elements per optimizer-step chunk (the diff hook's granularity)")
-    parser.add_argument("--fused", action="store_true", help="torch's fused AdamW (default: the per-tensor loop)")
+    parser.add_argument("--adamw", choices=["foreach", "fused", "loop"], default="foreach",
+                        help="torch AdamW's implementation (foreach: its default on a GPU; loop: foreach=False)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     device = torch.device(resolve_device(args.device))
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("plain", "torch", "triton"):
             model = build_model(args.model, 0, torch.bfloat16, device)
             opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01,
-                                    **(dict(fused=True) if args.fused else dict(foreach=False)))
+                                    fused=args.adamw == "fused" or None, foreach=args.adamw == "foreach")
             pub = None
             if name != "plain":
                 pub = DeltaPublisher(model, opt, Path(tmp) / name, interval=10**6, run_id="sync-sender-step",
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                   + f"; {changes[-1]} changes, deltas identical", flush=True)
     params = sum(p.numel() for p in arms["plain"][0].parameters())
     record = dict(benchmark="sync_sender_step", git_sha=git_sha(), device=device_info(str(device)), model=args.model,
-                  params=params, chunk_elements=args.chunk_elements, fused_adamw=args.fused, lr=args.lr,
+                  params=params, chunk_elements=args.chunk_elements, adamw=args.adamw, lr=args.lr,
                   batch=args.batch, seq_len=args.seq_len, steps=args.steps,
                   warmup=args.warmup, changes_per_step=changes[args.warmup:],
                   plain_step=stats(times["plain"]), step_torch_differ=stats(times["torch"]),

@@ -2,20 +2,25 @@
 
 Just before the optimizer writes a chunk, the parameter still holds the previous broadcast's
 weights, so the delta comes from the step itself and no copy of the weights is kept: the hook
-copies the chunk's old wire bits into one reused slot, and right after the update the diff/extract
-kernel compares them with the new bits in place and appends the changed (index, new, old) triples
-and the chunk's running-checksum change to pinned host memory, without a host sync
-(:class:`rltune.sync.kernels.ChangeSink`). On CPU the same runs through the torch references.
+copies the chunk's old wire bits into a reused staging buffer, and right after the update the
+diff/extract kernel compares them with the new bits and appends the changed (index, new, old)
+triples and the chunk's running-checksum change to the sink's buffers, without a host sync
+(:class:`rltune.sync.kernels.ChangeSink`). Small parameters are stepped and diffed together: one
+multi-tensor update and one diff for up to ``max_elements`` elements, not one per tensor (a 0.5 B
+model has ~300 of them). On CPU the same runs through the torch references.
 
 API::
 
     chunked_step(optimizer, hook=None, max_elements=1 << 26) -> None
-        One optimizer step, at most ``max_elements`` elements of a parameter per update, calling
-        ``hook.before(param, start, stop)`` / ``hook.after(param, start, stop)`` around each chunk
-        (flat element range of the parameter) and ``hook.begin_step()`` / ``hook.end_step()`` around
-        the step when the hook has them. Bit-identical to ``optimizer.step()`` for
-        ``torch.optim.Adam``/``AdamW`` (fused or not, foreach is the same math) and for optimizers
-        with an elementwise ``step_chunk(param, grad, group, start, stop)`` (``SignSGD``).
+        One optimizer step in updates of at most ``max_elements`` elements: consecutive whole
+        parameters of one dtype together, a larger parameter in chunks of ``max_elements``. Calls
+        ``hook.before(chunks)`` / ``hook.after(chunks)`` around each update, ``chunks`` a list of
+        ``(param, start, stop)`` (flat element ranges), and ``hook.begin_step()`` /
+        ``hook.end_step()`` around the step when the hook has them. Each update is the optimizer's
+        own update (fused, foreach or per tensor, as its param group says) on a subset of the
+        parameters, so the step is bit-identical to ``optimizer.step()`` for
+        ``torch.optim.Adam``/``AdamW`` and for optimizers with an elementwise
+        ``step_chunk(param, grad, group, start, stop)`` (``SignSGD``).
 
     recorder = DeltaRecorder(model.named_parameters(), max_elements, wire_dtype=torch.bfloat16)
     chunked_step(optimizer, recorder, max_elements)
@@ -41,7 +46,7 @@ import torch
 
 from rltune.errors import RltuneError
 from rltune.sync.kernels import ChangeSink
-from rltune.sync.kernels.reference import MASK64, as_bits
+from rltune.sync.kernels.reference import MASK64
 
 DEFAULT_MAX_ELEMENTS = 1 << 26
 
@@ -50,25 +55,44 @@ class ChunkedStepError(RltuneError):
     """The optimizer or its parameters cannot be stepped in chunks."""
 
 
+Chunk = tuple[torch.Tensor, int, int]  # (parameter, first element, end element) of its flat view
+
+
 class ChunkHook(Protocol):
-    def before(self, param: torch.Tensor, start: int, stop: int) -> None: ...
+    def before(self, chunks: list[Chunk]) -> None: ...
 
-    def after(self, param: torch.Tensor, start: int, stop: int) -> None: ...
+    def after(self, chunks: list[Chunk]) -> None: ...
 
 
-def _chunks(p: torch.Tensor, max_elements: int):
-    if not p.is_contiguous():
-        raise ChunkedStepError("chunked_step needs contiguous parameters; call .contiguous() on them before "
-                               "building the optimizer")
-    n = p.numel()
-    for start in range(0, n, max_elements):
-        yield start, min(n, start + max_elements)
+def _plan(params: list[torch.Tensor], max_elements: int) -> list[list[tuple[int, int, int]]]:
+    """The step's updates, each a list of (index into ``params``, start, stop): consecutive whole
+    parameters of one dtype, at most ``max_elements`` elements in all, go together in one update; a
+    larger parameter goes in chunks of ``max_elements``, an update each."""
+    updates: list[list[tuple[int, int, int]]] = []
+    group: list[tuple[int, int, int]] = []
+    size = 0
+    for i, p in enumerate(params):
+        if not p.is_contiguous():
+            raise ChunkedStepError("chunked_step needs contiguous parameters; call .contiguous() on them before "
+                                   "building the optimizer")
+        n = p.numel()
+        if group and (size + n > max_elements or p.dtype != params[group[0][0]].dtype):
+            updates.append(group)
+            group, size = [], 0
+        if n > max_elements:
+            updates.extend([(i, a, min(n, a + max_elements))] for a in range(0, n, max_elements))
+        elif n:
+            group.append((i, 0, n))
+            size += n
+    if group:
+        updates.append(group)
+    return updates
 
 
 @torch.no_grad()
 def chunked_step(optimizer: torch.optim.Optimizer, hook: ChunkHook | None = None,
                  max_elements: int = DEFAULT_MAX_ELEMENTS) -> None:
-    """One optimizer step in chunks of at most ``max_elements`` with ``hook`` around each (see module doc)."""
+    """One optimizer step in updates of at most ``max_elements`` with ``hook`` around each (see module doc)."""
     if max_elements <= 0:
         raise ChunkedStepError(f"max_elements must be positive, got {max_elements}")
     if hook is not None and hasattr(hook, "begin_step"):
@@ -86,15 +110,20 @@ def chunked_step(optimizer: torch.optim.Optimizer, hook: ChunkHook | None = None
 
 def _step_elementwise(optimizer, hook, max_elements: int) -> None:
     for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            for a, b in _chunks(p, max_elements):
-                if hook is not None:
-                    hook.before(p, a, b)
+        params = [p for p in group["params"] if p.grad is not None]
+        for update in _plan(params, max_elements):
+            chunks = [(params[i], a, b) for i, a, b in update]
+            if hook is not None:
+                hook.before(chunks)
+            for p, a, b in chunks:
                 optimizer.step_chunk(p, p.grad, group, a, b)
-                if hook is not None:
-                    hook.after(p, a, b)
+            if hook is not None:
+                hook.after(chunks)
+
+
+def _flat(tensor: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    # a view of a contiguous parameter or state; a gradient may be copied
+    return tensor if b - a == tensor.numel() else tensor.reshape(-1)[a:b]
 
 
 def _step_adam(optimizer: torch.optim.Adam, hook, max_elements: int) -> None:
@@ -108,24 +137,30 @@ def _step_adam(optimizer: torch.optim.Adam, hook, max_elements: int) -> None:
         if has_complex:
             raise ChunkedStepError("chunked AdamW does not support complex parameters")
         beta1, beta2 = group["betas"]
-        fused = bool(group["fused"])
-        for i, p in enumerate(params):
-            step_before = steps[i].clone()
-            step_after = step_before
-            for a, b in _chunks(p, max_elements):
-                step_after = step_before.clone()  # each chunk advances from the same step count
-                if hook is not None:
-                    hook.before(p, a, b)
-                adam([p.view(-1)[a:b]], [grads[i].reshape(-1)[a:b]], [exp_avgs[i].view(-1)[a:b]],
-                     [exp_avg_sqs[i].view(-1)[a:b]], [max_sqs[i].view(-1)[a:b]] if group["amsgrad"] else [],
-                     [step_after], amsgrad=group["amsgrad"], has_complex=False, beta1=beta1, beta2=beta2,
-                     lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-                     maximize=group["maximize"], foreach=False, capturable=False, differentiable=False,
-                     fused=fused, grad_scale=None, found_inf=None,
-                     decoupled_weight_decay=group.get("decoupled_weight_decay", False))
-                if hook is not None:
-                    hook.after(p, a, b)
-            steps[i].copy_(step_after)
+        split: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # parameter in chunks: (count before, after)
+        for update in _plan(params, max_elements):
+            counts = []
+            for i, a, b in update:
+                if b - a == params[i].numel():
+                    counts.append(steps[i])  # a whole parameter: its own step count advances
+                else:  # each chunk advances from the same count; the count moves on after the step
+                    before = split[i][0] if i in split else steps[i].clone()
+                    split[i] = (before, before.clone())
+                    counts.append(split[i][1])
+            chunks = [(params[i], a, b) for i, a, b in update]
+            if hook is not None:
+                hook.before(chunks)
+            adam([_flat(params[i], a, b) for i, a, b in update], [_flat(grads[i], a, b) for i, a, b in update],
+                 [_flat(exp_avgs[i], a, b) for i, a, b in update], [_flat(exp_avg_sqs[i], a, b) for i, a, b in update],
+                 [_flat(max_sqs[i], a, b) for i, a, b in update] if group["amsgrad"] else [], counts,
+                 amsgrad=group["amsgrad"], has_complex=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+                 foreach=group["foreach"], capturable=False, differentiable=False, fused=group["fused"],
+                 grad_scale=None, found_inf=None, decoupled_weight_decay=group.get("decoupled_weight_decay", False))
+            if hook is not None:
+                hook.after(chunks)
+        for i, (_, after) in split.items():
+            steps[i].copy_(after)
 
 
 @dataclass
@@ -142,7 +177,7 @@ class DeltaRecorder:
     """A :class:`ChunkHook` that records every changed element of a step, chunk by chunk.
 
     ``wire_dtype`` casts floating parameters as sent (fp32 master weights published as bf16); the
-    old bits of a chunk live in one reused slot per wire dtype. ``capacity_fraction`` sizes the
+    old bits of an update live in the sink's staging buffer, one per wire dtype. ``capacity_fraction`` sizes the
     pinned change buffers as a fraction of all elements (a step that changes more raises
     :class:`~rltune.sync.kernels.ChangeCapacityError` at :meth:`collect`). ``backend``: as in
     :mod:`rltune.sync.kernels` ("auto": Triton on CUDA, torch reference on CPU).
@@ -163,33 +198,25 @@ class DeltaRecorder:
         chunks = sum(-(-p.numel() // max_elements) for p in self.params.values())
         largest = min(max_elements, max(p.numel() for p in self.params.values()))
         self.sink = ChangeSink(max(1, int(total * capacity_fraction)), largest, max(1, chunks), self.device, backend)
-        self._slots: dict[torch.dtype, torch.Tensor] = {}
-        self._old: torch.Tensor | None = None
 
-    def _wire(self, p: torch.Tensor, a: int, b: int) -> torch.Tensor:
-        chunk = p.detach().view(-1)[a:b]
-        if self.wire_dtype is not None and p.is_floating_point() and p.dtype != self.wire_dtype:
-            chunk = chunk.to(self.wire_dtype)
-        return as_bits(chunk)
+    def _dtype(self, p: torch.Tensor) -> torch.dtype:
+        return self.wire_dtype if self.wire_dtype is not None and p.is_floating_point() else p.dtype
 
     def begin_step(self) -> None:
         self.sink.reset()
 
-    def before(self, param: torch.Tensor, start: int, stop: int) -> None:
-        bits = self._wire(param, start, stop)
-        slot = self._slots.get(bits.dtype)
-        if slot is None:
-            slot = self._slots[bits.dtype] = torch.empty(self.sink.max_chunk_elements, dtype=bits.dtype,
-                                                         device=self.device)
-        self._old = slot[:bits.numel()]
-        self._old.copy_(bits)
+    def before(self, chunks: list[Chunk]) -> None:
+        group = self.sink.group([b - a for _, a, b in chunks], [a for _, a, _ in chunks])
+        self.sink.stage(group, [p.detach().view(-1)[a:b] for p, a, b in chunks], self._dtype(chunks[0][0]))
 
-    def after(self, param: torch.Tensor, start: int, stop: int) -> None:
-        name = self._name_of.get(id(param))
-        if name is None:
+    def after(self, chunks: list[Chunk]) -> None:
+        names = [self._name_of.get(id(p)) for p, _, _ in chunks]
+        if None in names:
             raise ChunkedStepError("the optimizer steps a parameter the DeltaRecorder was not given; pass the "
                                    "same named_parameters() the optimizer holds")
-        self.sink.append(self._old, self._wire(param, start, stop), start, name)
+        group = self.sink.group([b - a for _, a, b in chunks], [a for _, a, _ in chunks])
+        self.sink.append_staged(group, [p.detach().view(-1)[a:b] for p, a, b in chunks], self._dtype(chunks[0][0]),
+                                names)
 
     def end_step(self) -> None:
         self.sink.finish()

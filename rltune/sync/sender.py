@@ -145,10 +145,8 @@ class DeltaPublisher:
         self._checksums: dict[str, int] = {}  # this rank's checksum share per first name, as published
         self._static_copy: dict[str, torch.Tensor] = {}
         self._pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._chunk_old: torch.Tensor | None = None
+        self._update_old: list[torch.Tensor] = []  # torch differ: the update's old wire bits, per chunk
         self._sink: ChangeSink | None = self._make_sink(stepped)
-        self._slots: dict[torch.dtype, torch.Tensor] = {}  # with the sink: one reused old-bits slot per wire dtype
-        self._sink_widths: dict[str, int] = {}  # with the sink: each stepped tensor's wire width
         self._overflow = False  # the step changed more than the sink holds: publish it full
         self._stepped = False
         self._last_step: int | None = None
@@ -194,48 +192,52 @@ class DeltaPublisher:
 
     # -------------------------------------------------------------------------------- the step
 
-    def _before_chunk(self, p: torch.Tensor, a: int, b: int) -> None:
-        name = self._name_of_param.get(id(p))
-        lo, hi = self.ranges[name]
-        a, b = max(a, lo), min(b, hi)
-        if a >= b:
-            self._chunk_old = None
-            return
-        old = wire_bits(p.view(-1)[a:b], self._wire_dtype(name))
-        if self._sink is None:
-            self._chunk_old = old.clone()
-            return
-        slot = self._slots.get(old.dtype)
-        if slot is None:
-            slot = self._slots[old.dtype] = torch.empty(self._sink.max_chunk_elements, dtype=old.dtype, device=old.device)
-        self._chunk_old = slot[:b - a]
-        self._chunk_old.copy_(old)
+    def _mine(self, chunks: list[tuple[torch.Tensor, int, int]]) -> list[tuple[str, torch.Tensor, int, int]]:
+        """An update's chunks clamped to this rank's range, as (name, param, start, stop); empty ones dropped."""
+        out = []
+        for p, a, b in chunks:
+            name = self._name_of_param[id(p)]
+            lo, hi = self.ranges[name]
+            if max(a, lo) < min(b, hi):
+                out.append((name, p, max(a, lo), min(b, hi)))
+        return out
 
-    def _after_chunk(self, p: torch.Tensor, a: int, b: int) -> None:
-        name = self._name_of_param.get(id(p))
-        lo, hi = self.ranges[name]
-        a, b = max(a, lo), min(b, hi)
-        if a >= b:
+    def _before_update(self, chunks: list[tuple[torch.Tensor, int, int]]) -> None:
+        mine = self._mine(chunks)
+        if not mine:
             return
-        new = wire_bits(p.view(-1)[a:b], self._wire_dtype(name))
-        if self._sink is not None:
-            self._sink.append(self._chunk_old, new, a, name)  # no host sync: the kernels queue behind the update
-            self._sink_widths[name] = wire_width(new)
-            self._chunk_old = None
+        if self._sink is None:
+            self._update_old = [wire_bits(p.view(-1)[a:b], self._wire_dtype(n)).clone() for n, p, a, b in mine]
             return
-        idx, new_changed = diff_ref(self._chunk_old, new)
-        if idx.numel():
-            old_changed = self._chunk_old[idx]
-            self._checksums[name] = (self._checksums[name] + checksum_update_ref(idx + a, old_changed, new_changed)) & MASK64
-            self._pending.setdefault(name, []).append((idx + a, wire_diff(old_changed, new_changed, wire_width(new))))
-        self._chunk_old = None
+        group = self._sink.group([b - a for _, _, a, b in mine], [a for _, _, a, _ in mine])
+        self._sink.stage(group, [p.detach().view(-1)[a:b] for _, p, a, b in mine], self._wire_dtype(mine[0][0]))
+
+    def _after_update(self, chunks: list[tuple[torch.Tensor, int, int]]) -> None:
+        mine = self._mine(chunks)
+        if not mine:
+            return
+        if self._sink is not None:  # no host sync: the kernels queue behind the update
+            group = self._sink.group([b - a for _, _, a, b in mine], [a for _, _, a, _ in mine])
+            self._sink.append_staged(group, [p.detach().view(-1)[a:b] for _, p, a, b in mine],
+                                     self._wire_dtype(mine[0][0]), [n for n, _, _, _ in mine])
+            return
+        for (name, p, a, b), old in zip(mine, self._update_old, strict=True):
+            new = wire_bits(p.view(-1)[a:b], self._wire_dtype(name))
+            idx, new_changed = diff_ref(old, new)
+            if idx.numel():
+                old_changed = old[idx]
+                self._checksums[name] = (self._checksums[name] + checksum_update_ref(idx + a, old_changed,
+                                                                                     new_changed)) & MASK64
+                self._pending.setdefault(name, []).append((idx + a, wire_diff(old_changed, new_changed,
+                                                                              wire_width(new))))
+        self._update_old = []
 
     def step(self) -> None:
         """Run one optimizer step in chunks, recording this rank's changes. Replaces ``optimizer.step()``."""
         if self._last_step is None:
             raise fmt.ChainError("publish the boot checkpoint (publish(0)) before the first optimizer step, so the "
                                  "engines have a base for the first delta")
-        hook = SimpleNamespace(before=self._before_chunk, after=self._after_chunk)
+        hook = SimpleNamespace(before=self._before_update, after=self._after_update)
         if self._sink is not None:
             self._sink.reset()
         chunked_step(self.optimizer, hook, self.chunk_elements)
@@ -251,13 +253,21 @@ class DeltaPublisher:
         except ChangeCapacityError:
             self._overflow = True  # the running checksums no longer follow the weights: the publish goes full
             return
+        # One signed difference and one index copy for the whole step (per wire width), sliced per
+        # chunk: copies, since the sink's buffers are reused by the next step.
+        idx_all, new_all, old_all = self._sink.step_changes()
+        idx_all = idx_all.clone()
+        diffs: dict[int, torch.Tensor] = {}
+        at = 0
         for c in chunks:
-            if c.idx_C.numel() == 0:
-                continue
-            bits = self._sink_widths[c.key]
-            self._checksums[c.key] = (self._checksums[c.key] + c.checksum_change) & MASK64
-            # copies: the sink's buffers are reused by the next step
-            self._pending.setdefault(c.key, []).append((c.idx_C.clone(), wire_diff(c.old_C, c.new_C, bits)))
+            n = c.idx_C.numel()
+            if n:
+                bits = self._wire_dtype(c.key).itemsize * 8
+                if bits not in diffs:
+                    diffs[bits] = wire_diff(old_all, new_all, bits)
+                self._checksums[c.key] = (self._checksums[c.key] + c.checksum_change) & MASK64
+                self._pending.setdefault(c.key, []).append((idx_all[at:at + n], diffs[bits][at:at + n]))
+            at += n
 
     # -------------------------------------------------------------------------------- publishing
 

@@ -353,16 +353,19 @@ class SparseDelta(Transport):
         self.apply_fn = ctx.apply_fn or default_apply_fn()
         self.receiver = None
         self._hook_s = 0.0
-        # Time the publisher's diff hooks (the delta's cost inside the optimizer step) by wrapping them.
-        for attr in ("_before_chunk", "_after_chunk"):
+        # Time the publisher's diff (the delta's cost inside the optimizer step) by wrapping its hooks
+        # and, with the Triton differ, the step's collection of the changes.
+        for attr in ("_before_update", "_after_update", "_take_sink_changes"):
             setattr(self.publisher, attr, self._timed_hook(getattr(self.publisher, attr)))
 
     def _timed_hook(self, hook: Callable) -> Callable:
-        def run(p: torch.Tensor, a: int, b: int) -> None:
-            synchronize(p.device)
+        device = self.ctx.trainer_device
+
+        def run(*args) -> None:
+            synchronize(device)
             start = time.perf_counter()
-            hook(p, a, b)
-            synchronize(p.device)
+            hook(*args)
+            synchronize(device)
             self._hook_s += time.perf_counter() - start
         return run
 

@@ -34,6 +34,8 @@ def backward(model: torch.nn.Module, seed: int) -> None:
 def make_opt(kind: str, model: torch.nn.Module):
     if kind == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    if kind == "adamw_foreach":
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
     if kind == "adamw_fused":
         return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     if kind == "adam_amsgrad":
@@ -41,15 +43,32 @@ def make_opt(kind: str, model: torch.nn.Module):
     return SignSGD(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-@pytest.mark.parametrize("kind", ["adamw", "adamw_fused", "adam_amsgrad", "signsgd"])
-def test_chunked_step_is_bit_identical_to_a_plain_step(kind):
+def test_the_plan_packs_small_parameters_and_splits_large_ones():
+    from rltune.sync.chunked import _plan
+
+    f32, b16 = torch.zeros(30), torch.zeros(30, dtype=torch.bfloat16)
+    params = [f32[:10], f32[:20], torch.zeros(25), torch.zeros(0), torch.zeros(3), b16[:5], torch.zeros(4)]
+    assert _plan(params, 30) == [[(0, 0, 10), (1, 0, 20)],  # exactly full
+                                 [(2, 0, 25), (4, 0, 3)],  # the empty one skipped
+                                 [(5, 0, 5)],  # another dtype: its own update
+                                 [(6, 0, 4)]]
+    assert _plan([torch.zeros(3), torch.zeros(70), torch.zeros(2)], 30) == [
+        [(0, 0, 3)], [(1, 0, 30)], [(1, 30, 60)], [(1, 60, 70)], [(2, 0, 2)]]
+    with pytest.raises(ChunkedStepError, match="contiguous"):
+        _plan([torch.zeros(4, 4).t()], 30)
+
+
+@pytest.mark.parametrize("max_elements", [101, 4000])
+@pytest.mark.parametrize("kind", ["adamw", "adamw_foreach", "adamw_fused", "adam_amsgrad", "signsgd"])
+def test_chunked_step_is_bit_identical_to_a_plain_step(kind, max_elements):
+    # 101: every parameter alone or in chunks; 4000: the embedding, a weight and the small tensors in one update
     plain, chunked = make_model(), make_model()
     opt_plain, opt_chunked = make_opt(kind, plain), make_opt(kind, chunked)
     for step in range(3):
         for m in (plain, chunked):
             backward(m, seed=step)
         opt_plain.step()
-        chunked_step(opt_chunked, None, max_elements=101)
+        chunked_step(opt_chunked, None, max_elements=max_elements)
         opt_plain.zero_grad()
         opt_chunked.zero_grad()
     for a, b in zip(plain.parameters(), chunked.parameters(), strict=True):

@@ -131,6 +131,67 @@ def test_diff_offsets_from_tile_counters_over_many_blocks(monkeypatch, rows, til
             assert c.checksum_change == want[3]
 
 
+def test_packed_group_aligns_members_to_blocks():
+    g = K.PackedGroup([5, 8192, 8193, 1], [0, 3, 7, 9], block=8192)
+    assert g.starts == [0, 8192, 16384, 32768] and g.padded == 40960 and g.n == 32769
+    blocks, ends, shift = (t.tolist() for t in g.tables(torch.device("cpu")))
+    assert blocks == [0, 1, 2, 2, 3] and ends == [5, 16384, 24577, 32769]
+    assert shift == [0, 3 - 8192, 7 - 16384, 9 - 32768]
+    assert [v.numel() for v in g.views(torch.zeros(g.padded))] == [5, 8192, 8193, 1]
+    assert K.PackedGroup([4, 2], [1, 0], block=1).starts == [0, 4]
+    for sizes, offsets in (([], []), ([3, 0], [0, 0]), ([3], [0, 1])):
+        with pytest.raises(K.KernelError, match="packed group"):
+            K.PackedGroup(sizes, offsets, block=64)
+
+
+@pytest.mark.parametrize(("rows", "tile"), [(2, 4), (None, None)])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_change_sink_groups_equal_the_reference(monkeypatch, rows, tile, backend):
+    # members packed at block boundaries (one diff for the group), around a chunk appended alone and a
+    # lone member diffed in place; members of 1 element to several blocks, at tensor offsets; floats
+    # cast to bf16 on the way in; one sink over two steps. rows=2: 64-element blocks, tiles of 4.
+    from rltune.sync.kernels import triton_kernels as tk
+
+    if rows is not None:
+        monkeypatch.setattr(tk, "DIFF_ROWS", rows)
+        monkeypatch.setattr(tk, "DIFF_TILE", tile)
+    block = 32 * (rows or tk.DIFF_ROWS)
+    sizes = [1, block - 1, block, block + 1, 3 * block + 7, 3]
+    offsets = [0, 5, 2 * block, 0, 11, 1]
+    sink = K.ChangeSink(capacity=20_000, max_chunk_elements=max(300, 4 * block), max_chunks=16, device=DEVICE,
+                        backend=backend)
+    for step in range(2):
+        sink.reset()
+        tensors = [torch.randn(o + z, generator=torch.Generator().manual_seed(10 * step + i)).to(DEVICE)
+                   for i, (z, o) in enumerate(zip(sizes, offsets, strict=True))]
+        tensors[-1] = tensors[-1].to(torch.bfloat16)  # a member already in its wire dtype
+        want = []
+        lone_old = random_bits(300, 16, seed=step)
+        lone_new = perturb(lone_old, 0.1, seed=step + 1)
+        sink.append(lone_old, lone_new, 40, "lone")
+        want.append(("lone",) + R.diff_extract_ref(lone_old.cpu(), lone_new.cpu(), 40))
+        for members in ([0, 1, 2, 3, 4], [5]):  # a group, then a lone member in place
+            chunks = [tensors[m][offsets[m]:offsets[m] + sizes[m]] for m in members]
+            group = sink.group([sizes[m] for m in members], [offsets[m] for m in members])
+            sink.stage(group, chunks, torch.bfloat16)
+            olds = [R.as_bits(c.to(torch.bfloat16)).clone() for c in chunks]
+            for i, c in enumerate(chunks):
+                c.add_(torch.randn(c.shape, generator=torch.Generator().manual_seed(i)).to(DEVICE, c.dtype)
+                       * (torch.rand(c.shape, generator=torch.Generator().manual_seed(i)) < 0.3).to(DEVICE))
+            sink.append_staged(group, chunks, torch.bfloat16, [f"m{m}" for m in members])
+            for m, c, o in zip(members, chunks, olds, strict=True):
+                want.append((f"m{m}",) + R.diff_extract_ref(o.cpu(), R.as_bits(c.to(torch.bfloat16)).cpu(), offsets[m]))
+        sink.finish()
+        got = sink.collect()
+        assert [c.key for c in got] == [w[0] for w in want]
+        for c, w in zip(got, want, strict=True):
+            assert torch.equal(c.idx_C.cpu(), w[1]) and torch.equal(c.new_C.cpu(), w[2]), c.key
+            assert torch.equal(c.old_C.cpu(), w[3]) and c.checksum_change == w[4], c.key
+        assert sum(w[1].numel() for w in want) > 100
+        idx, new, old = sink.step_changes()
+        assert torch.equal(idx.cpu(), torch.cat([w[1] for w in want])) and torch.equal(old.cpu(), torch.cat([w[3] for w in want]))
+
+
 def _delta(layout_rows: int, ncols: int, entries: list[int], fraction: float, seed: int, width: int):
     g = torch.Generator().manual_seed(seed)
     idx_parts, offsets = [], [0]

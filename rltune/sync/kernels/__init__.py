@@ -12,7 +12,10 @@ API::
     diff_extract(old_bits, new_bits, offset=0) -> (idx_C, new_C, old_C, checksum_change)
     sink = ChangeSink(capacity, max_chunk_elements, max_chunks, device)   # reused step after step
     sink.append(old_bits, new_bits, offset, key)     # no host sync; changes land in pinned memory
+    g = sink.group(sizes, offsets); sink.stage(g, chunks, dtype)     # small tensors: packed, one diff
+    ...update...; sink.append_staged(g, chunks, dtype, keys)
     sink.finish(); chunks = sink.collect()           # collect() waits for the step's last kernel
+    idx, new, old = sink.step_changes()              # all chunks' changes, in append order
     plan = ApplyPlan(params, layouts)                # device tables + compile, once per index map
     result = plan.apply(entry_tensor_E, entry_offsets_E1, idx_C, val_C, add=True)
     apply_mapped_delta(target_bits, pos_C, diff_C, ckpt_idx_C) -> int   # receiver's apply_fn
@@ -127,6 +130,43 @@ def _check_pair(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor) -> None:
                           "(chunked_step max_elements)")
 
 
+class PackedGroup:
+    """Where the members of a packed group sit in a staging buffer, as the diff reads them.
+
+    Member m (``sizes[m]`` elements, element ``offsets[m]`` of its tensor first) starts at
+    ``starts[m]``, a multiple of ``block`` (the diff kernel's block; 1 for the torch reference), so
+    no diff block holds two members; the elements between members are padding the diff never reads. On a GPU the diff reads three small tables (each
+    block's member, each member's packed end and ``offsets[m] - starts[m]``), made at the first use
+    and kept with the group, which the sink reuses step after step.
+    """
+
+    def __init__(self, sizes: list[int], offsets: list[int], block: int):
+        if not sizes or min(sizes) < 1 or len(offsets) != len(sizes):
+            raise KernelError(f"a packed group needs one positive size and one offset per member, got sizes {sizes} "
+                              f"and offsets {offsets}")
+        self.sizes, self.offsets, self.block = list(sizes), list(offsets), block
+        self.starts, at = [], 0
+        for size in self.sizes:
+            self.starts.append(at)
+            at += -(-size // block) * block
+        self.padded = at  # staging elements the group needs
+        self.n = self.starts[-1] + self.sizes[-1]  # the diff's extent: up to the last member's last element
+        self._tables: tuple[torch.Tensor, ...] | None = None
+
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block's member int32, member's packed end int64, member's index offset int64) on ``device``."""
+        if self._tables is None:
+            blocks = np.repeat(np.arange(len(self.sizes), dtype=np.int32), [-(-z // self.block) for z in self.sizes])
+            ends = np.array(self.starts, dtype=np.int64) + np.array(self.sizes, dtype=np.int64)
+            shift = np.array(self.offsets, dtype=np.int64) - np.array(self.starts, dtype=np.int64)
+            self._tables = tuple(torch.from_numpy(a).to(device) for a in (blocks, ends, shift))
+        return self._tables
+
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Each member's slice of a staging buffer of at least :attr:`padded` elements."""
+        return [buffer[a:a + z] for a, z in zip(self.starts, self.sizes, strict=True)]
+
+
 @dataclass
 class ChunkChanges:
     """The changes one ``ChangeSink.append`` recorded (views into the sink's host buffers)."""
@@ -171,7 +211,10 @@ class ChangeSink:
         self._start_host = torch.zeros(max_chunks + 1, dtype=torch.int64, pin_memory=pin)
         self._checksum_host = torch.zeros(max_chunks, dtype=torch.int64, pin_memory=pin)
         self._scratch = None  # the diff's device scratch (triton_kernels.DiffScratch), made at the first append
+        self._groups: dict[tuple, PackedGroup] = {}
+        self._staging: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # bits dtype -> (old, new)
         self._event = None
+        self._total = 0  # changes of the last collected step
         self.keys: list[Any] = []
 
     def reset(self) -> None:
@@ -185,10 +228,64 @@ class ChangeSink:
         else:
             self._start_host.zero_()
 
-    def _diff_scratch(self):
-        if self._scratch is None:
-            self._scratch = _triton().DiffScratch(self.max_chunk_elements, self.device, self.max_chunks)
+    def _diff_scratch(self, n: int = 0):
+        if self._scratch is None or self._scratch.count_P.numel() * _triton().diff_block() < n:
+            self._scratch = _triton().DiffScratch(max(n, self.max_chunk_elements), self.device, self.max_chunks)
         return self._scratch
+
+    # ------------------------------------------------------------------------ packed groups
+
+    def group(self, sizes: list[int], offsets: list[int]) -> PackedGroup:
+        """The packed layout of chunks of these sizes (each element ``offsets[m]`` of its tensor first),
+        made once and reused: several small tensors are diffed by one launch instead of one each."""
+        key = (tuple(sizes), tuple(offsets))
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = PackedGroup(list(sizes), list(offsets),
+                                                    _triton().diff_block() if self.triton else 1)
+        return group
+
+    def _buffers(self, dtype: torch.dtype, elements: int) -> tuple[torch.Tensor, torch.Tensor]:
+        bits = dtype if dtype in _MASK_OF_BITS else bits_dtype(dtype)
+        pair = self._staging.get(bits)
+        if pair is None or pair[0].numel() < elements:
+            size = max(elements, self.max_chunk_elements)
+            pair = self._staging[bits] = (torch.empty(size, dtype=bits, device=self.device),
+                                          torch.empty(size, dtype=bits, device=self.device))
+        return pair
+
+    def stage(self, group: PackedGroup, sources: list[torch.Tensor], dtype: torch.dtype) -> None:
+        """Copy the members' values before the update (``sources``: one chunk per member, cast to the
+        wire ``dtype``) into the old staging buffer, in one multi-tensor copy."""
+        old, _ = self._buffers(dtype, group.padded)
+        torch._foreach_copy_(group.views(old.view(dtype)), [t.reshape(-1) for t in sources])
+
+    def append_staged(self, group: PackedGroup, sources: list[torch.Tensor], dtype: torch.dtype,
+                      keys: list[Any]) -> None:
+        """Record the changes of the members since :meth:`stage` (``sources``: the same chunks after the
+        update); member m becomes the chunk of ``keys[m]``. No host sync; on a GPU, one diff for the
+        whole group (a lone member in its wire dtype is diffed in place, without staging its new values)."""
+        if len(keys) != len(group.sizes) or len(sources) != len(keys):
+            raise KernelError(f"a group of {len(group.sizes)} members needs as many sources and keys, got "
+                              f"{len(sources)} and {len(keys)}")
+        old, new = self._buffers(dtype, group.padded)
+        olds = group.views(old)
+        if len(keys) == 1 and sources[0].dtype == dtype:
+            self.append(olds[0], as_bits(sources[0].detach().reshape(-1)), group.offsets[0], keys[0])
+            return
+        torch._foreach_copy_(group.views(new.view(dtype)), [t.reshape(-1) for t in sources])
+        if not self.triton:
+            for o, n, offset, key in zip(olds, group.views(new), group.offsets, keys, strict=True):
+                self.append(o, n, offset, key)
+            return
+        k = len(self.keys)
+        if k + len(keys) > self.max_chunks:
+            raise KernelError(f"more than max_chunks={self.max_chunks} chunks in one step; count in max_chunks "
+                              "every chunk of the step")
+        self.keys.extend(keys)
+        _triton().diff_extract_launch(old, new, 0, _MASK_OF_BITS[old.dtype], self._diff_scratch(group.padded),
+                                      self._start_dev, k, (self.idx, self.new, self.old), self.capacity,
+                                      self._checksum_dev, group=group)
 
     def append(self, old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int, key: Any) -> None:
         """Record the changes of a chunk holding elements ``[offset, offset + N)`` of the tensor ``key``."""
@@ -199,8 +296,8 @@ class ChangeSink:
                               f"{self.max_chunk_elements}")
         k = len(self.keys)
         if k >= self.max_chunks:
-            raise KernelError(f"more than max_chunks={self.max_chunks} chunks in one step; size the sink from "
-                              "the optimizer (chunked.make_sink)")
+            raise KernelError(f"more than max_chunks={self.max_chunks} chunks in one step; count in max_chunks "
+                              "every chunk of the step")
         self.keys.append(key)
         if not self.triton:
             idx, new, old, change = diff_extract_ref(old_bits_N, new_bits_N, offset)
@@ -239,9 +336,15 @@ class ChangeSink:
             raise ChangeCapacityError(f"the step changed {starts[n]} elements but the change sink holds {self.capacity}; "
                                       "publish a full checkpoint for this step and raise the sink capacity "
                                       "(capacity_fraction)")
+        self._total = starts[n]
         return [ChunkChanges(key, self.idx[a:b], self.new[a:b], self.old[a:b], int(c) & MASK64)
                 for key, a, b, c in zip(self.keys, starts[:-1], starts[1:], self._checksum_host[:n].tolist(),
                                         strict=True)]
+
+    def step_changes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """After :meth:`collect`: the step's (idx, new, old) for all its chunks, one after another in
+        append order (views, like each chunk's)."""
+        return self.idx[:self._total], self.new[:self._total], self.old[:self._total]
 
 
 def diff_extract(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int = 0,

@@ -182,19 +182,30 @@ def _popcount(x, ASM: tl.constexpr):
         return (((v * 0x01010101) & 0xFFFFFFFF) >> 24).to(tl.int32)
 
 
+@triton.jit
+def _block_limit(pid, base, n, block_member_ptr, member_end_ptr, GROUPED: tl.constexpr):
+    # elements of this block that belong to its chunk (a packed group's member ends where its padding starts)
+    if GROUPED:
+        return tl.load(member_end_ptr + tl.load(block_member_ptr + pid)) - base
+    else:
+        return n - base
+
+
 @triton.jit(do_not_specialize=["n"])
-def _diff_mask_kernel(old_ptr, new_ptr, n: tl.int64, words_ptr, count_P_ptr, tile_T_ptr, ROWS: tl.constexpr,
-                      TILE: tl.constexpr, ASM: tl.constexpr):
+def _diff_mask_kernel(old_ptr, new_ptr, n: tl.int64, words_ptr, count_P_ptr, tile_T_ptr, block_member_ptr,
+                      member_end_ptr, ROWS: tl.constexpr, TILE: tl.constexpr, ASM: tl.constexpr,
+                      GROUPED: tl.constexpr):
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * (ROWS * 32)
     row = tl.arange(0, ROWS)
     col = tl.arange(0, 32)
     local = row[:, None] * 32 + col[None, :]
-    if n - base >= ROWS * 32:  # a full block: unmasked (vector) loads
+    limit = _block_limit(pid, base, n, block_member_ptr, member_end_ptr, GROUPED)
+    if limit >= ROWS * 32:  # a full block: unmasked (vector) loads
         old = tl.load(old_ptr + base + local)
         new = tl.load(new_ptr + base + local)
     else:
-        valid = local < n - base
+        valid = local < limit
         old = tl.load(old_ptr + base + local, mask=valid, other=0)
         new = tl.load(new_ptr + base + local, mask=valid, other=0)
     changed = (old != new).to(tl.int32)  # padding lanes load 0 on both sides
@@ -207,13 +218,16 @@ def _diff_mask_kernel(old_ptr, new_ptr, n: tl.int64, words_ptr, count_P_ptr, til
         tl.atomic_add(tile_T_ptr + pid // TILE, count)
 
 
-@triton.jit(do_not_specialize=["offset", "chunk", "capacity", "programs"])
+@triton.jit(do_not_specialize=["offset", "chunk", "capacity", "programs", "members"])
 def _diff_expand_kernel(old_ptr, new_ptr, words_ptr, count_P_ptr, tile_T_ptr, s_pos_ptr, chunk_start_ptr,
                         chunk: tl.int64, offset: tl.int64, out_idx_ptr, out_new_ptr, out_old_ptr, checksum_K_ptr,
-                        capacity: tl.int64, programs: tl.int64, MASK: tl.constexpr, ROWS: tl.constexpr,
-                        COPY: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr, ASM: tl.constexpr):
-    # ``start`` is where this chunk begins in the output (written by the previous chunk's pass 2, on
-    # device); each block adds its sum (offset + i + 1) * (new - old) to the chunk's checksum change.
+                        capacity: tl.int64, programs: tl.int64, block_member_ptr, member_offset_ptr,
+                        members: tl.int64, MASK: tl.constexpr, ROWS: tl.constexpr, COPY: tl.constexpr,
+                        TILE: tl.constexpr, TILES: tl.constexpr, ASM: tl.constexpr, GROUPED: tl.constexpr):
+    # ``start`` is where this chunk (or group) begins in the output (written by the previous one's
+    # pass 2, on device). Element i of the chunk is element offset + i of its tensor; each block adds
+    # its sum (offset + i + 1) * (new - old) to its chunk's checksum change. A group's member m is
+    # output chunk ``chunk + m``, has its own offset, and its first block writes where it starts.
     pid = tl.program_id(0)
     count = tl.load(count_P_ptr + pid)
     tile = pid // TILE
@@ -222,6 +236,15 @@ def _diff_expand_kernel(old_ptr, new_ptr, words_ptr, count_P_ptr, tile_T_ptr, s_
     before = tl.sum(tl.load(tile_T_ptr + t, mask=t < tile, other=0).to(tl.int64), axis=0) \
         + tl.sum(tl.load(count_P_ptr + b, mask=b < pid, other=0).to(tl.int64), axis=0)
     start = tl.load(chunk_start_ptr + chunk)
+    if GROUPED:
+        member = tl.load(block_member_ptr + pid)
+        offset = tl.load(member_offset_ptr + member)
+        if member > 0:
+            if tl.load(block_member_ptr + pid - 1) != member:
+                tl.store(chunk_start_ptr + chunk + member, start + before)
+        checksum_ptr = checksum_K_ptr + chunk + member
+    else:
+        checksum_ptr = checksum_K_ptr + chunk
     if count > 0:
         base = pid.to(tl.int64) * (ROWS * 32)
         row = tl.arange(0, ROWS)
@@ -251,30 +274,35 @@ def _diff_expand_kernel(old_ptr, new_ptr, words_ptr, count_P_ptr, tile_T_ptr, s_
             tl.store(out_new_ptr + dst, new.to(tl.int32), mask=fits)
             tl.store(out_old_ptr + dst, old.to(tl.int32), mask=fits)
             total += tl.where(inside, (offset + i + 1) * (new - old), 0)
-        tl.atomic_add(checksum_K_ptr + chunk, tl.sum(total, axis=0))
+        tl.atomic_add(checksum_ptr, tl.sum(total, axis=0))
     if pid == programs - 1:
-        tl.store(chunk_start_ptr + chunk + 1, start + before + count)
+        tl.store(chunk_start_ptr + chunk + members, start + before + count)
 
 
 _DIFF_MASK = Launch(_diff_mask_kernel)
 _DIFF_EXPAND = Launch(_diff_expand_kernel)
 
 
+def diff_block() -> int:
+    """Elements per diff block: a packed group's members start at multiples of it."""
+    return DIFF_ROWS * 32
+
+
 def diff_programs(n: int) -> int:
-    return max(1, triton.cdiv(n, DIFF_ROWS * 32))
+    return max(1, triton.cdiv(n, diff_block()))
 
 
 class DiffScratch:
-    """Device scratch of diffs over up to ``chunks`` chunks of up to ``n`` elements each: the block's
-    positions (int16, 2 bytes per element), the rows' change words, the blocks' counts (reused by
-    every chunk) and one row of tile counters per chunk, which pass 1 adds into: zero them with
-    :meth:`reset` before a chunk index is used again."""
+    """Device scratch of diffs over up to ``chunks`` chunks (or packed groups) of up to ``n`` elements
+    each: the block's positions (int16, 2 bytes per element), the rows' change words, the blocks'
+    counts (reused by every chunk) and one row of tile counters per chunk, which pass 1 adds into:
+    zero them with :meth:`reset` before a chunk index is used again."""
 
     def __init__(self, n: int, device, chunks: int = 1):
         programs = diff_programs(n)
         self.rows, self.tile = DIFF_ROWS, DIFF_TILE
         self.tiles = triton.next_power_of_2(triton.cdiv(programs, DIFF_TILE))
-        self.s_pos = torch.empty(programs * DIFF_ROWS * 32, dtype=torch.int16, device=device)
+        self.s_pos = torch.empty(programs * diff_block(), dtype=torch.int16, device=device)
         self.words = torch.empty(programs * DIFF_ROWS, dtype=torch.int32, device=device)
         self.count_P = torch.empty(programs, dtype=torch.int32, device=device)
         self.tile_KT = torch.zeros(chunks, self.tiles, dtype=torch.int32, device=device)
@@ -286,24 +314,37 @@ class DiffScratch:
 def diff_extract_launch(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int, mask: int,
                         scratch: DiffScratch, chunk_start: torch.Tensor, chunk: int,
                         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], capacity: int,
-                        checksum_K: torch.Tensor) -> None:
+                        checksum_K: torch.Tensor, group=None) -> None:
     """Both passes of chunk ``chunk``: writes ``chunk_start[chunk + 1]`` and adds the chunk's checksum
     change to ``checksum_K[chunk]`` (int64, zeroed by the caller), all on device, no host sync. The
-    chunk's tile counters (``scratch.tile_KT[chunk]``) must be zero."""
-    n = old_bits_N.numel()
+    chunk's tile counters (``scratch.tile_KT[chunk]``) must be zero.
+
+    With ``group`` (a :class:`rltune.sync.kernels.PackedGroup` aligned to :func:`diff_block`), ``old_bits_N``
+    and ``new_bits_N`` are staging buffers packed as it says (``offset`` is unused) and its members are
+    output chunks ``chunk .. chunk + members - 1``: each gets its start, its checksum change and its
+    tensor's indices."""
+    n = old_bits_N.numel() if group is None else group.n
     programs = diff_programs(n)
+    members = 1 if group is None else len(group.sizes)
     if scratch.rows != DIFF_ROWS or scratch.tile != DIFF_TILE or programs > scratch.count_P.numel() \
-            or chunk >= scratch.tile_KT.shape[0]:
+            or chunk >= scratch.tile_KT.shape[0] or chunk + members >= chunk_start.numel():
         raise ValueError(f"diff scratch made for {scratch.count_P.numel()} blocks of {scratch.rows} rows and "
                          f"{scratch.tile_KT.shape[0]} chunks cannot hold chunk {chunk} of {n} elements "
-                         f"({programs} blocks of {DIFF_ROWS} rows)")
+                         f"({programs} blocks of {DIFF_ROWS} rows, {members} members)")
     tiles = scratch.tile_KT[chunk]
     asm = not _interpreted()
-    _DIFF_MASK((programs,), old_bits_N, new_bits_N, n, scratch.words, scratch.count_P, tiles, DIFF_ROWS, DIFF_TILE, asm,
-               num_warps=DIFF_WARPS)
+    grouped = group is not None
+    if not grouped:
+        block_member, member_end, member_offset = scratch.count_P, scratch.count_P, scratch.count_P  # unread
+    elif group.block != diff_block():
+        raise ValueError(f"packed group aligned to {group.block} elements, the diff's blocks hold {diff_block()}")
+    else:
+        block_member, member_end, member_offset = group.tables(old_bits_N.device)
+    _DIFF_MASK((programs,), old_bits_N, new_bits_N, n, scratch.words, scratch.count_P, tiles, block_member, member_end,
+               DIFF_ROWS, DIFF_TILE, asm, grouped, num_warps=DIFF_WARPS)
     _DIFF_EXPAND((programs,), old_bits_N, new_bits_N, scratch.words, scratch.count_P, tiles, scratch.s_pos, chunk_start,
-                 chunk, offset, out[0], out[1], out[2], checksum_K, capacity, programs, mask, DIFF_ROWS, DIFF_COPY,
-                 DIFF_TILE, scratch.tiles, asm, num_warps=DIFF_WARPS)
+                 chunk, offset, out[0], out[1], out[2], checksum_K, capacity, programs, block_member, member_offset,
+                 members, mask, DIFF_ROWS, DIFF_COPY, DIFF_TILE, scratch.tiles, asm, grouped, num_warps=DIFF_WARPS)
 
 
 # --------------------------------------------------------------------------------------- fused apply
