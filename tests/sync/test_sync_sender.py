@@ -252,7 +252,7 @@ def test_triton_differ_on_the_gpu_publishes_the_reference_bytes(tmp_path, impl):
         model = torch.nn.ParameterDict({k: torch.nn.Parameter(v.cuda()) for k, v in init.items()})
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=impl == "fused" or None,
                                 foreach=impl == "foreach")
-        pub = None if name == "plain" else DeltaPublisher(model, opt, tmp_path / name, 3, differ=name,
+        pub = None if name == "plain" else DeltaPublisher(model, opt, tmp_path / name, 3, differ=name, run_id="gpu",
                                                             chunk_elements=1 << 20, change_capacity=0.5)
         if pub is not None:
             pub.publish(0)
@@ -282,7 +282,9 @@ def test_triton_differ_on_the_gpu_publishes_the_reference_bytes(tmp_path, impl):
 
 def test_differ_choices(tmp_path):
     assert Trainer(tmp_path / "a", differ="auto").pub._sink is None  # CPU weights: the torch reference
-    assert Trainer(tmp_path / "b").pub._sink is None  # the default
+    model = tiny_qwen3()
+    default = DeltaPublisher(model, torch.optim.AdamW(model.parameters()), tmp_path / "b", 3)
+    assert default.differ == "auto" and default._sink is None  # CPU weights: the reference
     with pytest.raises(ValueError, match="differ must be"):
         Trainer(tmp_path / "c", differ="cuda")
     with pytest.raises(ValueError, match="change_capacity"):
