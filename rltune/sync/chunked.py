@@ -67,7 +67,8 @@ class ChunkHook(Protocol):
 def _plan(params: list[torch.Tensor], max_elements: int) -> list[list[tuple[int, int, int]]]:
     """The step's updates, each a list of (index into ``params``, start, stop): consecutive whole
     parameters of one dtype, at most ``max_elements`` elements in all, go together in one update; a
-    larger parameter goes in chunks of ``max_elements``, an update each."""
+    parameter of at least half that goes alone (so its diff reads it in place instead of from a
+    packed copy), in chunks of ``max_elements`` if it is larger."""
     updates: list[list[tuple[int, int, int]]] = []
     group: list[tuple[int, int, int]] = []
     size = 0
@@ -76,10 +77,11 @@ def _plan(params: list[torch.Tensor], max_elements: int) -> list[list[tuple[int,
             raise ChunkedStepError("chunked_step needs contiguous parameters; call .contiguous() on them before "
                                    "building the optimizer")
         n = p.numel()
-        if group and (size + n > max_elements or p.dtype != params[group[0][0]].dtype):
+        alone = 2 * n >= max_elements
+        if group and (alone or size + n > max_elements or p.dtype != params[group[0][0]].dtype):
             updates.append(group)
             group, size = [], 0
-        if n > max_elements:
+        if alone:
             updates.extend([(i, a, min(n, a + max_elements))] for a in range(0, n, max_elements))
         elif n:
             group.append((i, 0, n))

@@ -47,13 +47,15 @@ def test_the_plan_packs_small_parameters_and_splits_large_ones():
     from rltune.sync.chunked import _plan
 
     f32, b16 = torch.zeros(30), torch.zeros(30, dtype=torch.bfloat16)
-    params = [f32[:10], f32[:20], torch.zeros(25), torch.zeros(0), torch.zeros(3), b16[:5], torch.zeros(4)]
-    assert _plan(params, 30) == [[(0, 0, 10), (1, 0, 20)],  # exactly full
-                                 [(2, 0, 25), (4, 0, 3)],  # the empty one skipped
-                                 [(5, 0, 5)],  # another dtype: its own update
-                                 [(6, 0, 4)]]
-    assert _plan([torch.zeros(3), torch.zeros(70), torch.zeros(2)], 30) == [
-        [(0, 0, 3)], [(1, 0, 30)], [(1, 30, 60)], [(1, 60, 70)], [(2, 0, 2)]]
+    params = [f32[:10], f32[:15], f32[:5], torch.zeros(14), torch.zeros(0), torch.zeros(3), torch.zeros(8), b16[:5],
+              torch.zeros(4)]
+    assert _plan(params, 30) == [[(0, 0, 10)],
+                                 [(1, 0, 15)],  # half an update or more: alone
+                                 [(2, 0, 5), (3, 0, 14), (5, 0, 3), (6, 0, 8)],  # exactly full; the empty one skipped
+                                 [(7, 0, 5)],  # another dtype: its own update
+                                 [(8, 0, 4)]]
+    assert _plan([torch.zeros(3), torch.zeros(16), torch.zeros(70), torch.zeros(2), torch.zeros(14)], 30) == [
+        [(0, 0, 3)], [(1, 0, 16)], [(2, 0, 30)], [(2, 30, 60)], [(2, 60, 70)], [(3, 0, 2), (4, 0, 14)]]
     with pytest.raises(ChunkedStepError, match="contiguous"):
         _plan([torch.zeros(4, 4).t()], 30)
 
