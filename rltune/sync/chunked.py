@@ -13,12 +13,13 @@ API::
 
     chunked_step(optimizer, hook=None, max_elements=1 << 26) -> None
         One optimizer step in updates of at most ``max_elements`` elements: consecutive whole
-        parameters of one dtype together, a larger parameter in chunks of ``max_elements``. Calls
-        ``hook.before(chunks)`` / ``hook.after(chunks)`` around each update, ``chunks`` a list of
-        ``(param, start, stop)`` (flat element ranges), and ``hook.begin_step()`` /
-        ``hook.end_step()`` around the step when the hook has them. Each update is the optimizer's
-        own update (fused, foreach or per tensor, as its param group says) on a subset of the
-        parameters, so the step is bit-identical to ``optimizer.step()`` for
+        parameters of one dtype together, one of half that or more alone (in chunks of
+        ``max_elements`` when larger). Calls ``hook.before(chunks)`` / ``hook.after(chunks)``
+        around each update, ``chunks`` a list of ``(param, start, stop)`` (flat element ranges; an
+        :class:`Update`, the same object step after step, whose ``cache`` a hook may use), and
+        ``hook.begin_step()`` / ``hook.end_step()`` around the step when the hook has them. Each
+        update is the optimizer's own update (fused, foreach or per tensor, as its param group
+        says) on a subset of the parameters, so the step is bit-identical to ``optimizer.step()`` for
         ``torch.optim.Adam``/``AdamW`` and for optimizers with an elementwise
         ``step_chunk(param, grad, group, start, stop)`` (``SignSGD``).
 
@@ -38,6 +39,7 @@ Example::
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -91,6 +93,29 @@ def _plan(params: list[torch.Tensor], max_elements: int) -> list[list[tuple[int,
     return updates
 
 
+class Update(list):
+    """One update's chunks, ``(param, start, stop)`` each, as hooks receive them. While the optimizer
+    steps the same parameters, every step passes the same ``Update`` objects, so a hook may keep what
+    it derives from the chunks (views, layouts) in ``cache``."""
+
+    def __init__(self, chunks: list[Chunk], index: list[tuple[int, int, int]]):
+        super().__init__(chunks)
+        self.index = index  # (position in the param group's stepped parameters, start, stop) per chunk
+        self.cache: dict = {}
+
+
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> {group: (key, updates)}
+
+
+def _updates(optimizer, group_index: int, params: list[torch.Tensor], max_elements: int) -> list[Update]:
+    key = (max_elements, tuple(map(id, params)))  # the updates hold the parameters, so their ids stay theirs
+    plans = _PLANS.setdefault(optimizer, {})
+    if group_index not in plans or plans[group_index][0] != key:
+        plans[group_index] = (key, [Update([(params[i], a, b) for i, a, b in u], u)
+                                    for u in _plan(params, max_elements)])
+    return plans[group_index][1]
+
+
 @torch.no_grad()
 def chunked_step(optimizer: torch.optim.Optimizer, hook: ChunkHook | None = None,
                  max_elements: int = DEFAULT_MAX_ELEMENTS) -> None:
@@ -111,16 +136,15 @@ def chunked_step(optimizer: torch.optim.Optimizer, hook: ChunkHook | None = None
 
 
 def _step_elementwise(optimizer, hook, max_elements: int) -> None:
-    for group in optimizer.param_groups:
+    for g, group in enumerate(optimizer.param_groups):
         params = [p for p in group["params"] if p.grad is not None]
-        for update in _plan(params, max_elements):
-            chunks = [(params[i], a, b) for i, a, b in update]
+        for update in _updates(optimizer, g, params, max_elements):
             if hook is not None:
-                hook.before(chunks)
-            for p, a, b in chunks:
+                hook.before(update)
+            for p, a, b in update:
                 optimizer.step_chunk(p, p.grad, group, a, b)
             if hook is not None:
-                hook.after(chunks)
+                hook.after(update)
 
 
 def _flat(tensor: torch.Tensor, a: int, b: int) -> torch.Tensor:
@@ -131,7 +155,7 @@ def _flat(tensor: torch.Tensor, a: int, b: int) -> torch.Tensor:
 def _step_adam(optimizer: torch.optim.Adam, hook, max_elements: int) -> None:
     from torch.optim.adam import adam
 
-    for group in optimizer.param_groups:
+    for g, group in enumerate(optimizer.param_groups):
         if group["capturable"] or group["differentiable"]:
             raise ChunkedStepError("chunked AdamW needs capturable=False and differentiable=False")
         params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], [], [], []
@@ -140,7 +164,8 @@ def _step_adam(optimizer: torch.optim.Adam, hook, max_elements: int) -> None:
             raise ChunkedStepError("chunked AdamW does not support complex parameters")
         beta1, beta2 = group["betas"]
         split: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # parameter in chunks: (count before, after)
-        for update in _plan(params, max_elements):
+        for chunks in _updates(optimizer, g, params, max_elements):
+            update = chunks.index
             counts = []
             for i, a, b in update:
                 if b - a == params[i].numel():
@@ -149,7 +174,6 @@ def _step_adam(optimizer: torch.optim.Adam, hook, max_elements: int) -> None:
                     before = split[i][0] if i in split else steps[i].clone()
                     split[i] = (before, before.clone())
                     counts.append(split[i][1])
-            chunks = [(params[i], a, b) for i, a, b in update]
             if hook is not None:
                 hook.before(chunks)
             adam([_flat(params[i], a, b) for i, a, b in update], [_flat(grads[i], a, b) for i, a, b in update],
@@ -245,4 +269,4 @@ class DeltaRecorder:
         return out
 
 
-__all__ = ["ChunkHook", "ChunkedStepError", "DeltaRecorder", "TensorChanges", "chunked_step"]
+__all__ = ["ChunkHook", "ChunkedStepError", "DeltaRecorder", "TensorChanges", "Update", "chunked_step"]

@@ -203,27 +203,45 @@ class DeltaPublisher:
                 out.append((name, p, max(a, lo), min(b, hi)))
         return out
 
+    def _prepared(self, chunks: list[tuple[torch.Tensor, int, int]]):
+        """(mine, names, sources, wire dtype, packed group) of an update, or None when it holds none of
+        this rank's elements; kept in the update's cache while its parameters keep their storage."""
+        cache = getattr(chunks, "cache", None)
+        ptrs = tuple(p.data_ptr() for p, _, _ in chunks)
+        hit = cache.get(self) if cache is not None else None
+        if hit is None or hit[0] != ptrs:
+            mine = self._mine(chunks)
+            prepared = None
+            if mine:
+                sources = [p.detach().view(-1)[a:b] for _, p, a, b in mine]
+                group = None if self._sink is None else \
+                    self._sink.group([b - a for _, _, a, b in mine], [a for _, _, a, _ in mine])
+                prepared = (mine, [n for n, _, _, _ in mine], sources, self._wire_dtype(mine[0][0]), group)
+            hit = (ptrs, prepared)
+            if cache is not None:
+                cache[self] = hit
+        return hit[1]
+
     def _before_update(self, chunks: list[tuple[torch.Tensor, int, int]]) -> None:
-        mine = self._mine(chunks)
-        if not mine:
+        prepared = self._prepared(chunks)
+        if prepared is None:
             return
+        mine, _, sources, dtype, group = prepared
         if self._sink is None:
-            self._update_old = [wire_bits(p.view(-1)[a:b], self._wire_dtype(n)).clone() for n, p, a, b in mine]
+            self._update_old = [wire_bits(t, dtype).clone() for t in sources]
             return
-        group = self._sink.group([b - a for _, _, a, b in mine], [a for _, _, a, _ in mine])
-        self._sink.stage(group, [p.detach().view(-1)[a:b] for _, p, a, b in mine], self._wire_dtype(mine[0][0]))
+        self._sink.stage(group, sources, dtype)
 
     def _after_update(self, chunks: list[tuple[torch.Tensor, int, int]]) -> None:
-        mine = self._mine(chunks)
-        if not mine:
+        prepared = self._prepared(chunks)
+        if prepared is None:
             return
+        mine, names, sources, dtype, group = prepared
         if self._sink is not None:  # no host sync: the kernels queue behind the update
-            group = self._sink.group([b - a for _, _, a, b in mine], [a for _, _, a, _ in mine])
-            self._sink.append_staged(group, [p.detach().view(-1)[a:b] for _, p, a, b in mine],
-                                     self._wire_dtype(mine[0][0]), [n for n, _, _, _ in mine])
+            self._sink.append_staged(group, sources, dtype, names)
             return
-        for (name, p, a, b), old in zip(mine, self._update_old, strict=True):
-            new = wire_bits(p.view(-1)[a:b], self._wire_dtype(name))
+        for (name, _, a, _), source, old in zip(mine, sources, self._update_old, strict=True):
+            new = wire_bits(source, dtype)
             idx, new_changed = diff_ref(old, new)
             if idx.numel():
                 old_changed = old[idx]
@@ -250,7 +268,7 @@ class DeltaPublisher:
         """The step's changes from the sink (one host sync), as the torch path records them per chunk."""
         self._sink.finish()
         try:
-            chunks = self._sink.collect()
+            spans = self._sink.collect_spans()
         except ChangeCapacityError:
             self._overflow = True  # the running checksums no longer follow the weights: the publish goes full
             return
@@ -259,16 +277,13 @@ class DeltaPublisher:
         idx_all, new_all, old_all = self._sink.step_changes()
         idx_all = idx_all.clone()
         diffs: dict[int, torch.Tensor] = {}
-        at = 0
-        for c in chunks:
-            n = c.idx_C.numel()
-            if n:
-                bits = self._wire_dtype(c.key).itemsize * 8
+        for name, a, b, change in spans:
+            if b > a:
+                bits = self._wire_dtype(name).itemsize * 8
                 if bits not in diffs:
                     diffs[bits] = wire_diff(old_all, new_all, bits)
-                self._checksums[c.key] = (self._checksums[c.key] + c.checksum_change) & MASK64
-                self._pending.setdefault(c.key, []).append((idx_all[at:at + n], diffs[bits][at:at + n]))
-            at += n
+                self._checksums[name] = (self._checksums[name] + change) & MASK64
+                self._pending.setdefault(name, []).append((idx_all[a:b], diffs[bits][a:b]))
 
     # -------------------------------------------------------------------------------- publishing
 

@@ -60,6 +60,27 @@ def test_the_plan_packs_small_parameters_and_splits_large_ones():
         _plan([torch.zeros(4, 4).t()], 30)
 
 
+def test_every_step_passes_the_same_updates_until_the_stepped_parameters_change():
+    from types import SimpleNamespace
+
+    model = make_model()
+    opt = make_opt("adamw", model)
+    seen: list = []
+    hook = SimpleNamespace(before=seen.append, after=lambda update: None)
+    for step in range(2):
+        backward(model, seed=step)
+        chunked_step(opt, hook, max_elements=700)
+        opt.zero_grad()
+    half = len(seen) // 2
+    assert half > 3 and all(a is b for a, b in zip(seen[:half], seen[half:], strict=True))
+    assert [len(u) for u in seen[:half]] == [1] * 7 + [3] + [1] * 9  # chunks of 3 weights; 3 small tensors
+    backward(model, seed=3)
+    next(model.parameters()).grad = None  # the embedding is not stepped: a new plan
+    chunked_step(opt, hook, max_elements=700)
+    assert not any(u is v for u in seen[2 * half:] for v in seen[:half])
+    assert all(p is not next(model.parameters()) for u in seen[2 * half:] for p, _, _ in u)
+
+
 @pytest.mark.parametrize("max_elements", [101, 4000])
 @pytest.mark.parametrize("kind", ["adamw", "adamw_foreach", "adamw_fused", "adam_amsgrad", "signsgd"])
 def test_chunked_step_is_bit_identical_to_a_plain_step(kind, max_elements):

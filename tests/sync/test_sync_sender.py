@@ -280,6 +280,24 @@ def test_triton_differ_on_the_gpu_publishes_the_reference_bytes(tmp_path, impl):
     assert sum(e["changes"] for e in header["entries"]) > 10_000
 
 
+def test_a_parameter_given_new_storage_between_steps_is_diffed_where_it_now_lives(tmp_path):
+    # the publisher keeps views of each update's parameters from step to step; a parameter whose
+    # .data was replaced must be read from its new storage (else the step's changes go unseen and
+    # the publish finds the weights changed outside the step)
+    tr = Trainer(tmp_path, interval=10, lr=1e-2)
+    m0 = tr.pub.publish(0)
+    tr.train_step()
+    tr.pub.publish(1)
+    for p in tr.model.parameters():
+        p.data = p.data.clone()
+    tr.train_step()
+    assert tr.pub.publish(2)["kind"] == "delta"
+    cfg = engine_cfg(tr)
+    engine, rx = make_receiver(tmp_path, cfg, m0)
+    assert rx.load_latest().step == 2
+    assert_same_params(engine, reference_engine(cfg, tr.wire_state()))
+
+
 def test_differ_choices(tmp_path):
     assert Trainer(tmp_path / "a", differ="auto").pub._sink is None  # CPU weights: the torch reference
     model = tiny_qwen3()

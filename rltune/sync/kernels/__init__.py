@@ -152,6 +152,7 @@ class PackedGroup:
         self.padded = at  # staging elements the group needs
         self.n = self.starts[-1] + self.sizes[-1]  # the diff's extent: up to the last member's last element
         self._tables: tuple[torch.Tensor, ...] | None = None
+        self._views: dict[tuple, list[torch.Tensor]] = {}
 
     def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(block's member int32, member's packed end int64, member's index offset int64) on ``device``."""
@@ -163,8 +164,17 @@ class PackedGroup:
         return self._tables
 
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """Each member's slice of a staging buffer of at least :attr:`padded` elements."""
-        return [buffer[a:a + z] for a, z in zip(self.starts, self.sizes, strict=True)]
+        """Each member's slice of a staging buffer of at least :attr:`padded` elements (made once per
+        buffer and dtype: the sink asks for them every step)."""
+        key = (buffer.data_ptr(), buffer.dtype, buffer.numel())
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = [buffer[a:a + z] for a, z in zip(self.starts, self.sizes, strict=True)]
+        return views
+
+
+def _flat(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return tensors if all(t.dim() == 1 for t in tensors) else [t.reshape(-1) for t in tensors]
 
 
 @dataclass
@@ -258,7 +268,7 @@ class ChangeSink:
         """Copy the members' values before the update (``sources``: one chunk per member, cast to the
         wire ``dtype``) into the old staging buffer, in one multi-tensor copy."""
         old, _ = self._buffers(dtype, group.padded)
-        torch._foreach_copy_(group.views(old.view(dtype)), [t.reshape(-1) for t in sources])
+        torch._foreach_copy_(group.views(old.view(dtype)), _flat(sources))
 
     def append_staged(self, group: PackedGroup, sources: list[torch.Tensor], dtype: torch.dtype,
                       keys: list[Any]) -> None:
@@ -273,7 +283,7 @@ class ChangeSink:
         if len(keys) == 1 and sources[0].dtype == dtype:
             self.append(olds[0], as_bits(sources[0].detach().reshape(-1)), group.offsets[0], keys[0])
             return
-        torch._foreach_copy_(group.views(new.view(dtype)), [t.reshape(-1) for t in sources])
+        torch._foreach_copy_(group.views(new.view(dtype)), _flat(sources))
         if not self.triton:
             for o, n, offset, key in zip(olds, group.views(new), group.offsets, keys, strict=True):
                 self.append(o, n, offset, key)
@@ -326,6 +336,12 @@ class ChangeSink:
 
     def collect(self) -> list[ChunkChanges]:
         """Wait for the step's kernels and return each chunk's changes (views; copy before the next step)."""
+        return [ChunkChanges(key, self.idx[a:b], self.new[a:b], self.old[a:b], change)
+                for key, a, b, change in self.collect_spans()]
+
+    def collect_spans(self) -> list[tuple[Any, int, int, int]]:
+        """As :meth:`collect`, each chunk as ``(key, start, stop, checksum_change)``: its changes are
+        ``[start, stop)`` of :meth:`step_changes`."""
         if self._event is not None:
             self._event.synchronize()
         elif self.triton and self.device.type == "cuda":
@@ -337,12 +353,11 @@ class ChangeSink:
                                       "publish a full checkpoint for this step and raise the sink capacity "
                                       "(capacity_fraction)")
         self._total = starts[n]
-        return [ChunkChanges(key, self.idx[a:b], self.new[a:b], self.old[a:b], int(c) & MASK64)
-                for key, a, b, c in zip(self.keys, starts[:-1], starts[1:], self._checksum_host[:n].tolist(),
-                                        strict=True)]
+        return [(key, a, b, c & MASK64) for key, a, b, c in zip(self.keys, starts[:-1], starts[1:],
+                                                               self._checksum_host[:n].tolist(), strict=True)]
 
     def step_changes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """After :meth:`collect`: the step's (idx, new, old) for all its chunks, one after another in
+        """After :meth:`collect` or :meth:`collect_spans`: the step's (idx, new, old) for all its chunks, one after another in
         append order (views, like each chunk's)."""
         return self.idx[:self._total], self.new[:self._total], self.old[:self._total]
 
