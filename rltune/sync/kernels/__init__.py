@@ -173,8 +173,13 @@ class PackedGroup:
         return views
 
 
-def _flat(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return tensors if all(t.dim() == 1 for t in tensors) else [t.reshape(-1) for t in tensors]
+def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    # many members: one multi-tensor copy; one (a large parameter alone): the plain copy, which
+    # streams a large tensor faster than the multi-tensor kernel
+    if len(targets) == 1:
+        targets[0].copy_(sources[0].reshape(-1))
+    else:
+        torch._foreach_copy_(targets, [t if t.dim() == 1 else t.reshape(-1) for t in sources])
 
 
 @dataclass
@@ -266,9 +271,9 @@ class ChangeSink:
 
     def stage(self, group: PackedGroup, sources: list[torch.Tensor], dtype: torch.dtype) -> None:
         """Copy the members' values before the update (``sources``: one chunk per member, cast to the
-        wire ``dtype``) into the old staging buffer, in one multi-tensor copy."""
+        wire ``dtype``) into the old staging buffer, in one (multi-tensor) copy."""
         old, _ = self._buffers(dtype, group.padded)
-        torch._foreach_copy_(group.views(old.view(dtype)), _flat(sources))
+        _copy_all(group.views(old.view(dtype)), sources)
 
     def append_staged(self, group: PackedGroup, sources: list[torch.Tensor], dtype: torch.dtype,
                       keys: list[Any]) -> None:
@@ -283,7 +288,7 @@ class ChangeSink:
         if len(keys) == 1 and sources[0].dtype == dtype:
             self.append(olds[0], as_bits(sources[0].detach().reshape(-1)), group.offsets[0], keys[0])
             return
-        torch._foreach_copy_(group.views(new.view(dtype)), _flat(sources))
+        _copy_all(group.views(new.view(dtype)), sources)
         if not self.triton:
             for o, n, offset, key in zip(olds, group.views(new), group.offsets, keys, strict=True):
                 self.append(o, n, offset, key)
