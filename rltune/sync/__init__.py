@@ -8,7 +8,8 @@ Public API (each module's docstring has a usage example):
 - ``rltune.sync.sender.DeltaPublisher(model, optimizer, root, interval, rank=0, world=1, ...)``
   with ``.step()`` (replaces ``optimizer.step()``) and ``.publish(step)``; ``SignSGD``.
 - ``rltune.sync.chunked.chunked_step(optimizer, hook, max_elements)`` and ``DeltaRecorder``: the
-  optimizer step in chunks with a hook around each, and the recorder of the step's changes.
+  optimizer step in updates of at most ``max_elements`` (small parameters together, large ones in
+  chunks) with a hook around each, and the recorder of the step's changes.
 - ``rltune.sync.receiver.DeltaReceiver(root, model, index_map, group=None, apply_fn=...)`` with
   ``.prefetch(step)``, ``.apply(step)``, ``.load_latest()``.
 - ``rltune.sync.indexmap.IndexMap.record(build_engine, spec)``: the checkpoint -> parameter map,

@@ -1,11 +1,12 @@
 """Trainer side: take the delta from the optimizer step itself and publish it.
 
 :func:`rltune.sync.chunked.chunked_step` steps AdamW (``torch.optim.AdamW``/``Adam``, fused or not)
-or :class:`SignSGD` at most ``chunk_elements`` elements at a time and calls a hook around each
-chunk. :class:`DeltaPublisher` uses the hook to read the chunk's old wire bits just before the
-write and diff them with the new bits just after, so it never keeps a copy of the weights: with
-the torch reference, or (``differ="triton"``, or ``"auto"`` when the weights live on a GPU) with
-the Triton diff/extract kernels into device memory and one host sync at the end of the step.
+or :class:`SignSGD` in updates of at most ``chunk_elements`` elements (small parameters together,
+a large one in chunks) and calls a hook around each. :class:`DeltaPublisher` uses the hook to read
+the update's old wire bits just before the write and diff them with the new bits just after, so it
+never keeps a copy of the weights: with the Triton diff/extract kernels into device memory and one
+host sync at the end of the step (``differ="auto"``, the default, when the weights live on a GPU,
+or ``"triton"``), or with the torch reference (``"torch"``, and ``"auto"`` on CPU weights).
 Tensors that no optimizer steps (buffers, frozen parameters) are diffed against a small copy taken
 at the last anchor/full checkpoint.
 
