@@ -96,12 +96,13 @@ def _plan(params: list[torch.Tensor], max_elements: int) -> list[list[tuple[int,
 class Update(list):
     """One update's chunks, ``(param, start, stop)`` each, as hooks receive them. While the optimizer
     steps the same parameters, every step passes the same ``Update`` objects, so a hook may keep what
-    it derives from the chunks (views, layouts) in ``cache``."""
+    it derives from the chunks (views, layouts) in ``cache``, keyed by the hook itself (weakly: an
+    entry goes with its hook)."""
 
     def __init__(self, chunks: list[Chunk], index: list[tuple[int, int, int]]):
         super().__init__(chunks)
         self.index = index  # (position in the param group's stepped parameters, start, stop) per chunk
-        self.cache: dict = {}
+        self.cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> {group: (key, updates)}

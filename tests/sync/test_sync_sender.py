@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from types import SimpleNamespace
 
@@ -10,7 +11,7 @@ import torch
 from sync_helpers import Trainer, assert_same_params, engine_cfg, make_receiver, reference_engine, tiny_qwen3
 
 from rltune.sync import format as fmt
-from rltune.sync.chunked import chunked_step
+from rltune.sync.chunked import _PLANS, chunked_step
 from rltune.sync.sender import DeltaPublisher, SignSGD
 from rltune.sync.store import BroadcastStore
 
@@ -296,6 +297,17 @@ def test_a_parameter_given_new_storage_between_steps_is_diffed_where_it_now_live
     engine, rx = make_receiver(tmp_path, cfg, m0)
     assert rx.load_latest().step == 2
     assert_same_params(engine, reference_engine(cfg, tr.wire_state()))
+    # a second publisher on the same optimizer prepares its own entries; the first one's go with it
+    updates = [u for entry in _PLANS[tr.opt].values() for u in entry[1]]
+    assert all(len(u.cache) == 1 for u in updates)
+    second = DeltaPublisher(tr.model, tr.opt, tmp_path / "second", 10, run_id="run-b", chunk_elements=1000)
+    second.publish(0)
+    tr.model(input_ids=torch.randint(0, 128, (2, 16)), labels=torch.randint(0, 128, (2, 16))).loss.backward()
+    second.step()
+    assert all(len(u.cache) == 2 for u in updates)
+    del tr.pub, second
+    gc.collect()
+    assert all(len(u.cache) == 0 for u in updates)
 
 
 def test_differ_choices(tmp_path):
