@@ -113,8 +113,8 @@ class DeltaPublisher:
         # differ: how a chunk's changes are found inside the step. "triton": the diff/extract kernels
         # into device memory, one host sync when the step ends (ChangeSink); "torch": the reference
         # (nonzero and two host syncs per chunk); "auto": Triton when the weights live on a GPU.
-        # On the H200 (bench/sync_sender_step.py, 0.5 B model, fused AdamW) the torch differ adds
-        # 73 ms to a 4 ms step and the kernels 9 ms, with byte-identical deltas.
+        # On the H200 (bench/sync_sender_step.py, 0.5 B model) the torch differ adds 68-121 ms to
+        # the step and the kernels 3.7-8.3 ms, with byte-identical deltas (docs/BENCHMARKS.md).
         # change_capacity: with the kernels, the share of this rank's elements one step may change;
         # a step that changes more is published as a full checkpoint.
         if differ not in ("auto", "triton", "torch"):
@@ -198,7 +198,10 @@ class DeltaPublisher:
         """An update's chunks clamped to this rank's range, as (name, param, start, stop); empty ones dropped."""
         out = []
         for p, a, b in chunks:
-            name = self._name_of_param[id(p)]
+            name = self._name_of_param.get(id(p))
+            if name is None:
+                raise ValueError("the optimizer steps a parameter that is not in the model given to DeltaPublisher; "
+                                 "build the optimizer from that model's parameters")
             lo, hi = self.ranges[name]
             if max(a, lo) < min(b, hi):
                 out.append((name, p, max(a, lo), min(b, hi)))

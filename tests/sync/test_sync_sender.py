@@ -310,6 +310,16 @@ def test_a_parameter_given_new_storage_between_steps_is_diffed_where_it_now_live
     assert all(len(u.cache) == 0 for u in updates)
 
 
+def test_a_stepped_parameter_outside_the_model_is_named(tmp_path):
+    model = torch.nn.ParameterDict({"a": torch.nn.Parameter(torch.zeros(4))})
+    stray = torch.nn.Parameter(torch.zeros(3))
+    pub = DeltaPublisher(model, torch.optim.AdamW([*model.parameters(), stray]), tmp_path, 10)
+    pub.publish(0)
+    model["a"].grad, stray.grad = torch.ones(4), torch.ones(3)
+    with pytest.raises(ValueError, match="not in the model given to DeltaPublisher"):
+        pub.step()
+
+
 def test_differ_choices(tmp_path):
     assert Trainer(tmp_path / "a", differ="auto").pub._sink is None  # CPU weights: the torch reference
     model = tiny_qwen3()

@@ -135,9 +135,10 @@ class PackedGroup:
 
     Member m (``sizes[m]`` elements, element ``offsets[m]`` of its tensor first) starts at
     ``starts[m]``, a multiple of ``block`` (the diff kernel's block; 1 for the torch reference), so
-    no diff block holds two members; the elements between members are padding the diff never reads. On a GPU the diff reads three small tables (each
-    block's member, each member's packed end and ``offsets[m] - starts[m]``), made at the first use
-    and kept with the group, which the sink reuses step after step.
+    no diff block holds two members; the elements between members are padding the diff never reads.
+    On a GPU the diff reads three small tables (each block's member, each member's packed end and
+    ``offsets[m] - starts[m]``), made at the first use and kept with the group, which the sink
+    reuses step after step.
     """
 
     def __init__(self, sizes: list[int], offsets: list[int], block: int):
@@ -362,8 +363,8 @@ class ChangeSink:
                                                                self._checksum_host[:n].tolist(), strict=True)]
 
     def step_changes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """After :meth:`collect` or :meth:`collect_spans`: the step's (idx, new, old) for all its chunks, one after another in
-        append order (views, like each chunk's)."""
+        """After :meth:`collect` or :meth:`collect_spans`: the step's (idx, new, old) for all its
+        chunks, one after another in append order (views, like each chunk's)."""
         return self.idx[:self._total], self.new[:self._total], self.old[:self._total]
 
 
