@@ -66,18 +66,22 @@ class ChunkHook(Protocol):
     def after(self, chunks: list[Chunk]) -> None: ...
 
 
+def _check_contiguous(params: list[torch.Tensor]) -> None:
+    if not all(p.is_contiguous() for p in params):
+        raise ChunkedStepError("chunked_step needs contiguous parameters; call .contiguous() on them before "
+                               "building the optimizer")
+
+
 def _plan(params: list[torch.Tensor], max_elements: int) -> list[list[tuple[int, int, int]]]:
     """The step's updates, each a list of (index into ``params``, start, stop): consecutive whole
     parameters of one dtype, at most ``max_elements`` elements in all, go together in one update; a
     parameter of at least half that goes alone (so its diff reads it in place instead of from a
     packed copy), in chunks of ``max_elements`` if it is larger."""
+    _check_contiguous(params)
     updates: list[list[tuple[int, int, int]]] = []
     group: list[tuple[int, int, int]] = []
     size = 0
     for i, p in enumerate(params):
-        if not p.is_contiguous():
-            raise ChunkedStepError("chunked_step needs contiguous parameters; call .contiguous() on them before "
-                                   "building the optimizer")
         n = p.numel()
         alone = 2 * n >= max_elements
         if group and (alone or size + n > max_elements or p.dtype != params[group[0][0]].dtype):
@@ -109,6 +113,7 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> 
 
 
 def _updates(optimizer, group_index: int, params: list[torch.Tensor], max_elements: int) -> list[Update]:
+    _check_contiguous(params)  # every step: a parameter's .data may have been replaced since the plan
     key = (max_elements, tuple(map(id, params)))  # the updates hold the parameters, so their ids stay theirs
     plans = _PLANS.setdefault(optimizer, {})
     if group_index not in plans or plans[group_index][0] != key:

@@ -79,6 +79,10 @@ def test_every_step_passes_the_same_updates_until_the_stepped_parameters_change(
     chunked_step(opt, hook, max_elements=700)
     assert not any(u is v for u in seen[2 * half:] for v in seen[:half])
     assert all(p is not next(model.parameters()) for u in seen[2 * half:] for p, _, _ in u)
+    weight = model[1].weight
+    weight.data = weight.data.t().contiguous().t()  # same values, transposed storage: the cached plan must refuse it
+    with pytest.raises(ChunkedStepError, match="contiguous"):
+        chunked_step(opt, hook, max_elements=700)
 
 
 @pytest.mark.parametrize("max_elements", [101, 4000])
