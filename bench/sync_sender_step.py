@@ -7,8 +7,8 @@ Three copies of a ``rltune.workload.model`` preset (random init, bf16, same seed
 every copy, whose weights must still be bit-identical (the chunked step is exact); then
 ``publisher.step()`` (the chunked optimizer step with the diff inside it) is timed with CUDA events
 around the host call, both publish, and their delta part files must be byte-identical (the run stops
-otherwise). A plain ``optimizer.step()`` of the third copy is the baseline. Min/median/max over the steps after
-``--warmup`` go into the JSON record (device, versions, git SHA).
+otherwise). A plain ``optimizer.step()`` of the third copy is the baseline. Min/median/max over the
+steps after ``--warmup`` go into the JSON record (device, versions, git SHA).
 
 Usage (one GPU)::
 

@@ -74,7 +74,8 @@ class SyncBenchConfig:
     anchor_interval: int = field(50, doc="sparse: a full anchor every N steps", min=1)
     dense_fraction: float = field(0.0, doc="sparse: a step that changed more than this share of the elements is published full (0: never)", min=0, max=1)
     chunk_elements: int = field(1 << 26, doc="sparse: elements per optimizer-step chunk (diff hook granularity)", min=1)
-    differ: Literal["auto", "triton", "torch"] = field("auto", doc="sparse: how the step's changes are found: the torch reference, the Triton kernels, or auto (Triton on a GPU)")
+    differ: Literal["auto", "triton", "torch"] = field(
+        "auto", doc="sparse: how the step's changes are found: triton (kernels), torch (reference), auto (triton on a GPU)")
     nccl_engines: int = field(1, doc="nccl: engine ranks (each on its own GPU; processes on a CPU)", min=1)
     nccl_timeout_s: float = field(300.0, doc="nccl: collective time-out", min=1)
 

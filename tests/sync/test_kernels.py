@@ -189,7 +189,8 @@ def test_change_sink_groups_equal_the_reference(monkeypatch, rows, tile, backend
             assert torch.equal(c.old_C.cpu(), w[3]) and c.checksum_change == w[4], c.key
         assert sum(w[1].numel() for w in want) > 100
         idx, new, old = sink.step_changes()
-        assert torch.equal(idx.cpu(), torch.cat([w[1] for w in want])) and torch.equal(old.cpu(), torch.cat([w[3] for w in want]))
+        assert torch.equal(idx.cpu(), torch.cat([w[1] for w in want]))
+        assert torch.equal(old.cpu(), torch.cat([w[3] for w in want]))
 
 
 def _delta(layout_rows: int, ncols: int, entries: list[int], fraction: float, seed: int, width: int):

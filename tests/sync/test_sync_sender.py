@@ -276,7 +276,8 @@ def test_triton_differ_on_the_gpu_publishes_the_reference_bytes(tmp_path, impl):
     for name, data in published["torch"].items():
         assert published["triton"][name] == data, name
     parts = {(p.parent.name, p.suffix) for p in published["triton"]}
-    assert {(fmt.step_dir_name(1), ".delta"), (fmt.step_dir_name(2), ".delta"), (fmt.step_dir_name(3), ".anchor")} <= parts
+    want = {(fmt.step_dir_name(1), ".delta"), (fmt.step_dir_name(2), ".delta"), (fmt.step_dir_name(3), ".anchor")}
+    assert want <= parts
     header, _ = fmt.read_part_header(tmp_path / "triton" / fmt.step_dir_name(2) / "rank-00000.delta")
     assert sum(e["changes"] for e in header["entries"]) > 10_000
 
