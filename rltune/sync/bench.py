@@ -87,6 +87,16 @@ class SyncBenchConfig:
             raise FieldProblem("transports", "name at least one transport")
         if len(set(self.transports)) != len(self.transports):
             raise FieldProblem("transports", "a transport is named twice")
+        if self.differ == "triton" and "sparse" in self.transports and os.environ.get("TRITON_INTERPRET") != "1" \
+                and self.device != "cuda":
+            import torch
+
+            if self.device == "cpu" or not torch.cuda.is_available():
+                raise FieldProblem("differ", _TRITON_ON_CPU)
+
+
+_TRITON_ON_CPU = ("triton on a CPU needs TRITON_INTERPRET=1 in the environment (the kernels interpreted, "
+                  "slowly); use auto for the torch reference on a CPU")
 
 
 def resolve_preset(preset: str) -> Path:
@@ -115,7 +125,8 @@ def with_overrides(cfg: SyncBenchConfig, **overrides: Any) -> SyncBenchConfig:
     try:
         changed.validate()
     except FieldProblem as problem:
-        raise SyncBenchError(f"--{problem.field.replace('_', '-')}: {problem.problem}") from None
+        name = f"--{problem.field.replace('_', '-')}" if overrides.get(problem.field) is not None else problem.field
+        raise SyncBenchError(f"{name}: {problem.problem}") from None
     return changed
 
 

@@ -41,7 +41,7 @@ import torch
 from rltune.sync import codec, store
 from rltune.sync import format as fmt
 from rltune.sync.chunked import DEFAULT_MAX_ELEMENTS, chunked_step
-from rltune.sync.kernels import ChangeCapacityError, ChangeSink
+from rltune.sync.kernels import ChangeCapacityError, ChangeSink, KernelBackendError
 from rltune.sync.kernels.reference import MASK64, checksum_ref, checksum_update_ref, diff_ref
 from rltune.sync.ops import wire_bits, wire_diff, wire_width
 
@@ -171,8 +171,12 @@ class DeltaPublisher:
         # a chunk of the step clamped to this rank's range: at most one per chunk of the whole tensor
         chunks = sum(-(-self.tensors[n].numel() // self.chunk_elements) for n, _, _ in spans)
         largest = min(self.chunk_elements, max(hi - lo for _, lo, hi in spans))
-        return ChangeSink(max(1, int(total * self.change_capacity)), largest, chunks, device,
-                          backend="triton", outputs="device")
+        try:
+            return ChangeSink(max(1, int(total * self.change_capacity)), largest, chunks, device,
+                              backend="triton", outputs="device")
+        except KernelBackendError:
+            raise ValueError("differ='triton' on CPU weights needs TRITON_INTERPRET=1 in the environment before "
+                             "triton is imported; use differ='auto' for the torch reference") from None
 
     def _wire_dtype(self, name: str) -> torch.dtype:
         t = self.tensors[name]

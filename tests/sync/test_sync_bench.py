@@ -178,6 +178,21 @@ def test_unknown_differ_in_a_preset_is_located(tmp_path):
         load_sync_bench_config(tmp_path / "bad.yaml")
 
 
+def test_triton_differ_on_a_cpu_without_the_interpreter_is_one_line(tmp_path, monkeypatch, capsys):
+    from rltune.cli.main import main
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    (tmp_path / "p.yaml").write_text((PRESET_DIR / "cpu.yaml").read_text() + "differ: triton\n")
+    rc = main(["sync-bench", "--preset", str(tmp_path / "p.yaml"), "--out", str(tmp_path / "out"), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert f"{tmp_path / 'p.yaml'}: differ: triton on a CPU" in err and "use auto" in err
+    (tmp_path / "gpu.yaml").write_text((PRESET_DIR / "h200.yaml").read_text() + "differ: triton\n")
+    cfg = load_sync_bench_config(tmp_path / "gpu.yaml")  # a GPU preset, then moved to the CPU
+    with pytest.raises(SyncBenchError, match="^differ: triton on a CPU"):
+        with_overrides(cfg, device="cpu")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("differ", ["torch", "triton"])
 def test_gpu_run_verifies_every_update(tmp_path, differ):

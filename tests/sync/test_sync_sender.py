@@ -336,6 +336,9 @@ def test_differ_choices(tmp_path):
     with pytest.raises(ValueError, match="one device"):
         DeltaPublisher(split, opt, tmp_path / "e", 10, differ="triton")
     assert DeltaPublisher(split, opt, tmp_path / "f", 10, differ="auto")._sink is None
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="differ='auto'"):
+            Trainer(tmp_path / "g", differ="triton")
 
 
 @pytest.mark.skipif(not KERNELS_RUN, reason="the diff kernels on CPU tensors need TRITON_INTERPRET=1")
