@@ -275,8 +275,9 @@ def bench_tune(dev, timer, total, tensors) -> dict:
         def mask_only(scratch=scratch, programs=programs):
             for a in range(0, total, chunk):
                 tk._diff_mask_kernel[(programs,)](bits[a:a + chunk], new[a:a + chunk], chunk, scratch.words,
-                                                  scratch.count_P, scratch.tile_KT[0], ROWS=tk.DIFF_ROWS,
-                                                  TILE=tk.DIFF_TILE, ASM=True, num_warps=tk.DIFF_WARPS)
+                                                  scratch.count_P, scratch.tile_KT[0], scratch.count_P,
+                                                  scratch.count_P, ROWS=tk.DIFF_ROWS, TILE=tk.DIFF_TILE, ASM=True,
+                                                  GROUPED=False, num_warps=tk.DIFF_WARPS)  # no group: tables unread
 
         out["diff"][f"{rows}w{warps}c{copy}"] = dict(both_ms=timer(both)["median_ms"],
                                                      mask_only_ms=timer(mask_only)["median_ms"])
