@@ -29,7 +29,8 @@ gets its own coefficients, tied to the class's by a penalty on their log distanc
 job's longer sequences no longer bend what the math job's runs fit). Each case counts by how
 precisely it measured (:func:`case_fit_weight`). Measured counts a theory quantity predicts
 (:data:`COUNT_COLUMNS`: decode steps, a trial's mean sandbox set-up and command time) are fitted
-too; they and the per-term columns pin coefficients whatever the cases ran (:func:`pinned_coefficients`). :meth:`TheoryModel.fit` is cheap and is redone whenever the
+too; they and the per-term columns pin coefficients whatever the cases ran
+(:func:`pinned_coefficients`). :meth:`TheoryModel.fit` is cheap and is redone whenever the
 library changes; :func:`systematic_miss` reads the forecasts stored beside each case and says
 which stages the forecasts miss in one direction, the signal to refit or to register a new term
 (:func:`register_term`). A setting no term reads is not estimable by theory: the forecast must
@@ -56,7 +57,8 @@ STAGE_COLUMN = {"rollout": "rollout_s", "training": "training_s", "weight_sync":
 EPS_S = 1e-3  # seconds added before taking logs: a stage measured as 0 must not dominate the fit
 GPU_MEMORY_BYTES = {"H100": 80e9, "H200": 141e9, "B200": 180e9, "B300": 288e9, "A100": 80e9}
 # Coefficients that are fractions or factors of a physical quantity keep their meaning while fitted.
-BOUNDS = {"continuous_fill": (0.05, 1.0), "sandbox_overlap": (0.01, 1.0), "compile_factor": (0.05, 1.5), "prebuilt_factor": (0.01, 1.0),
+BOUNDS = {"continuous_fill": (0.05, 1.0), "sandbox_overlap": (0.01, 1.0), "compile_factor": (0.05, 1.5),
+          "prebuilt_factor": (0.01, 1.0),
           "delta_fraction": (0.001, 1.0), "padding_overhead": (0.01, 3.0), "checkpoint_overhead": (0.05, 1.5),
           **{f"overlap_{mode}_{stage}": (0.5, 10.0) for mode in ("one_step_async", "fully_async") for stage in ("rollout", "training")}}
 FREE_RANGE = 1e4
@@ -194,12 +196,22 @@ def decode_steps(f: Features, fill: float | np.ndarray) -> np.ndarray:
     return gen_len(f) * (static * np.ceil(np.maximum(waves, 1.0)) + (1 - static) * continuous_waves)
 
 
+def _setup_per_trial(f: Features, c: dict[str, float]) -> np.ndarray:
+    """A trial's image set-up: a build, or a copy of the task's pre-built image."""
+    return c["sandbox_build_s"] * (1.0 - (1.0 - c["prebuilt_factor"]) * f.flag("prebuilt_image", False))
+
+
+def _exec_per_trial(f: Features, c: dict[str, float]) -> np.ndarray:
+    """A trial's commands: one round per model turn."""
+    return c["sandbox_exec_s"] * turns(f)
+
+
 # Measured counts a theory quantity predicts directly: the fit matches them where a case has them, which pins
 # coefficients the times alone cannot (how much continuous batching refills freed slots).
 COUNT_COLUMNS: dict[str, Callable[[Features, dict[str, float]], np.ndarray]] = {
     "engine_decode_steps": lambda f, c: decode_steps(f, c["continuous_fill"]) * engines(f),  # forward steps of all engines per step
-    "sandbox_setup_s": lambda f, c: _setup_per_trial(f, c),  # mean image set-up of a trial
-    "sandbox_exec_s": lambda f, c: _exec_per_trial(f, c),  # mean run time of a trial's commands
+    "sandbox_setup_s": _setup_per_trial,  # mean image set-up of a trial
+    "sandbox_exec_s": _exec_per_trial,  # mean run time of a trial's commands
 }
 COUNT_COEFFICIENTS = {"engine_decode_steps": ("continuous_fill",), "sandbox_setup_s": ("sandbox_build_s", "prebuilt_factor"),
                       "sandbox_exec_s": ("sandbox_exec_s",)}  # the coefficients each count column pins
@@ -307,16 +319,6 @@ def sandbox_parallelism(f: Features, cores_per_host: float) -> np.ndarray:
     cores = np.maximum(cores_per_host * hosts, 1e-3)
     k = SANDBOX_SOFT_MIN_POWER
     return (pool ** -k + cores ** -k) ** (-1.0 / k)
-
-
-def _setup_per_trial(f: Features, c: dict[str, float]) -> np.ndarray:
-    """A trial's image set-up: a build, or a copy of the task's pre-built image."""
-    return c["sandbox_build_s"] * (1.0 - (1.0 - c["prebuilt_factor"]) * f.flag("prebuilt_image", False))
-
-
-def _exec_per_trial(f: Features, c: dict[str, float]) -> np.ndarray:
-    """A trial's commands: one round per model turn."""
-    return c["sandbox_exec_s"] * turns(f)
 
 
 def _sandbox(f: Features, c: dict[str, float]) -> np.ndarray:
