@@ -7,6 +7,9 @@ Sections (each reports min/median/max ms, GB/s and the ratio to its baseline):
 - diff:      diff/extract of 1 GiB of bf16 in 64 M-element chunks vs ``torch.nonzero(a != b)``;
 - checksum:  full checksum of 1 GiB vs a device copy of it (copy bandwidth counts read + write);
 - step:      AdamW (fused) on ~0.5 B bf16 parameters: chunked step with the delta recorder vs a plain step;
+- adamw:     AdamW (fused) on 1 GiB of bf16 in 64 M-element parameters, changes kept in device memory:
+             the plain step vs the chunked step with the diff staged around each update (a copy before,
+             both passes after) and with its pass 1 fused into the update; all three must stay bit-identical;
 - tune:      (GPU, runs first when asked for) launch configurations of checksum, diff and apply; the
              other sections then run with the fastest, recorded as ``launch_config``.
 
@@ -232,6 +235,48 @@ def bench_step(dev, timer, total, tensors, chunk) -> dict:
                 changed_fraction=statistics.median(fractions))
 
 
+def bench_adamw(dev, timer, total, tensors, chunk) -> dict:
+    per = total // tensors
+    gen = torch.Generator(device=dev).manual_seed(1)
+    grads = [(torch.randn(per, device=dev, generator=gen) * 1e-3).to(torch.bfloat16) for _ in range(tensors)]
+    arms = {}
+    for name in ("plain", "staged", "fused"):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter((torch.randn(per, device=dev) * 0.02).to(torch.bfloat16)) for _ in range(tensors)]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g  # read only by the step: shared by the arms
+        opt = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.01, fused=dev.type == "cuda" or None)
+        rec = None if name == "plain" else DeltaRecorder(
+            [(f"w{i}", p) for i, p in enumerate(params)], chunk, capacity_fraction=0.25, outputs="device",
+            fuse_adamw="auto" if name == "fused" else False)
+        arms[name] = (params, opt, rec)
+    fractions: dict[str, list[float]] = {"staged": [], "fused": []}
+
+    def step(name):
+        _, opt, rec = arms[name]
+        if rec is None:
+            opt.step()
+            return
+        chunked_step(opt, rec, chunk)
+        fractions[name].append(sum(c.idx_C.numel() for c in rec.collect().values()) / total)
+
+    timed = {name: timer(lambda name=name: step(name)) for name in arms}
+    ref_params, ref_opt, _ = arms["plain"]
+    identical = all(torch.equal(as_bits(p.detach()), as_bits(q.detach())) and
+                    torch.equal(ref_opt.state[p]["exp_avg"], arms[name][1].state[q]["exp_avg"])
+                    for name in ("staged", "fused") for p, q in zip(ref_params, arms[name][0], strict=True))
+    if not identical:
+        raise RuntimeError("a chunked AdamW step left the plain step's weights or moments")
+    gib = total * 2 / GIB
+    plain = timed["plain"]["median_ms"]
+    return dict(params=total, tensors=tensors, chunk=chunk, fused_adamw=dev.type == "cuda",
+                fused_kernel=bool(arms["fused"][2].sink.fuse_adamw), plain_step=timed["plain"],
+                staged_step=timed["staged"], fused_step=timed["fused"],
+                extra_ms_per_gib_staged=(timed["staged"]["median_ms"] - plain) / gib,
+                extra_ms_per_gib_fused=(timed["fused"]["median_ms"] - plain) / gib,
+                changed_fraction={k: statistics.median(v) for k, v in fractions.items()}, identical=identical)
+
+
 CHECKSUM_CONFIGS = ((512, 16, 4), (1024, 8, 4), (1024, 4, 4), (2048, 4, 8), (1024, 16, 8), (2048, 8, 8),
                     (512, 32, 4), (4096, 4, 8))
 # diff: (32-element rows per block, warps of both passes, changes per copy iteration of pass 2)
@@ -326,7 +371,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, type=Path, help="JSON record to write")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--git-sha", default=None, help="commit measured (default: git rev-parse HEAD)")
-    ap.add_argument("--sections", default="apply,diff,checksum,step")
+    ap.add_argument("--sections", default="apply,diff,checksum,step,adamw")
     args = ap.parse_args()
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -356,6 +401,8 @@ def main() -> None:
         record["checksum"] = bench_checksum(dev, timer, total)
     if "step" in sections:
         record["step"] = bench_step(dev, timer, total, 4 if args.tiny else 16, chunk)
+    if "adamw" in sections:
+        record["adamw"] = bench_adamw(dev, timer, total, 2 if args.tiny else 8, chunk)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
     print(json.dumps(record, indent=1))

@@ -1,12 +1,13 @@
 """Benchmark the trainer's optimizer step with the delta publisher: the torch reference diff against
 the Triton diff/extract kernels, on the same model, data and AdamW steps, in one run.
 
-Three copies of a ``rltune.workload.model`` preset (random init, bf16, same seed) each have their own
-``torch.optim.AdamW``; two have a ``DeltaPublisher`` (one with ``differ="torch"``, one with
-``differ="triton"``). Per step, one backward on a random token batch gives the gradients, copied to
+Four copies of a ``rltune.workload.model`` preset (random init, bf16, same seed) each have their own
+``torch.optim.AdamW``; three have a ``DeltaPublisher``: ``differ="torch"``, ``differ="triton"`` (with
+fused AdamW the kernels step each update with the diff inside it) and ``differ="triton"`` with
+``fuse_step=False`` ("staged": a copy before each update, the diff after it). Per step, one backward on a random token batch gives the gradients, copied to
 every copy, whose weights must still be bit-identical (the chunked step is exact); then
 ``publisher.step()`` (the chunked optimizer step with the diff inside it) is timed with CUDA events
-around the host call, both publish, and their delta part files must be byte-identical (the run stops
+around the host call, all publish, and their delta part files must be byte-identical (the run stops
 otherwise). A plain ``optimizer.step()`` of the third copy is the baseline. Min/median/max over the
 steps after ``--warmup`` go into the JSON record (device, versions, git SHA).
 
@@ -58,14 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(resolve_device(args.device))
     with tempfile.TemporaryDirectory() as tmp:
         arms: dict[str, tuple] = {}
-        for name in ("plain", "torch", "triton"):
+        for name in ("plain", "torch", "triton", "staged"):
             model = build_model(args.model, 0, torch.bfloat16, device)
             opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01,
                                     fused=args.adamw == "fused" or None, foreach=args.adamw == "foreach")
             pub = None
             if name != "plain":
                 pub = DeltaPublisher(model, opt, Path(tmp) / name, interval=10**6, run_id="sync-sender-step",
-                                     differ=name, change_capacity=0.25, chunk_elements=args.chunk_elements)
+                                     differ="triton" if name == "staged" else name, change_capacity=0.25,
+                                     chunk_elements=args.chunk_elements, fuse_step=name != "staged")
                 pub.publish(0)
             arms[name] = (model, opt, pub)
         once = Timer(device, warmup=0, repeats=1)  # each step runs exactly once
@@ -91,10 +93,12 @@ def main(argv: list[str] | None = None) -> int:
                 if step > args.warmup:
                     times[name].append(seconds)
             parts = {}
-            for name in ("torch", "triton"):
+            for name in ("torch", "triton", "staged"):
                 kind = arms[name][2].publish(step)["kind"]
                 step_dir = Path(tmp) / name / fmt.step_dir_name(step)
                 parts[name] = (kind, {p.name: p.read_bytes() for p in sorted(step_dir.glob("rank-*"))})
+            if parts["staged"] != parts["triton"]:
+                raise SystemExit(f"step {step}: the staged and the fused kernels published different parts")
             if parts["torch"] != parts["triton"]:
                 heads = {n: fmt.read_part_header(Path(tmp) / n / fmt.step_dir_name(step) / "rank-00000.delta")[0]
                          for n in ("torch", "triton")}
@@ -115,13 +119,17 @@ def main(argv: list[str] | None = None) -> int:
                   batch=args.batch, seq_len=args.seq_len, steps=args.steps,
                   warmup=args.warmup, changes_per_step=changes[args.warmup:],
                   plain_step=stats(times["plain"]), step_torch_differ=stats(times["torch"]),
-                  step_triton_differ=stats(times["triton"]), deltas_identical=True)
+                  step_triton_differ=stats(times["triton"]), step_triton_staged=stats(times["staged"]),
+                  fused_step=bool(arms["triton"][2]._sink is not None and arms["triton"][2]._sink.fuse_adamw),
+                  deltas_identical=True)
     record["extra_ms_torch_differ"] = record["step_torch_differ"]["median_ms"] - record["plain_step"]["median_ms"]
     record["extra_ms_triton_differ"] = record["step_triton_differ"]["median_ms"] - record["plain_step"]["median_ms"]
+    record["extra_ms_triton_staged"] = record["step_triton_staged"]["median_ms"] - record["plain_step"]["median_ms"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1), encoding="utf-8")
     print(json.dumps({k: record[k] for k in ("plain_step", "step_torch_differ", "step_triton_differ",
-                                             "extra_ms_torch_differ", "extra_ms_triton_differ")}, indent=1))
+                                             "step_triton_staged", "extra_ms_torch_differ", "extra_ms_triton_differ",
+                                             "extra_ms_triton_staged")}, indent=1))
     return 0
 
 

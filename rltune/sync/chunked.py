@@ -23,6 +23,11 @@ API::
         ``torch.optim.Adam``/``AdamW`` and for optimizers with an elementwise
         ``step_chunk(param, grad, group, start, stop)`` (``SignSGD``).
 
+        A hook with ``step_adamw(chunks, update) -> bool`` is offered each update of a fused AdamW
+        (``fused=True``, no amsgrad, decoupled or no weight decay) first, as an :class:`AdamWUpdate`;
+        when it returns True it has stepped the update itself (``ChangeSink.adamw_append``: the diff
+        inside the update) and ``before``/``after`` are not called for it.
+
     recorder = DeltaRecorder(model.named_parameters(), max_elements, wire_dtype=torch.bfloat16)
     chunked_step(optimizer, recorder, max_elements)
     changes = recorder.collect()    # {name: TensorChanges(idx_C, new_C, old_C, checksum_change)}
@@ -48,7 +53,7 @@ import torch
 
 from rltune.errors import RltuneError
 from rltune.sync.kernels import ChangeSink
-from rltune.sync.kernels.reference import MASK64
+from rltune.sync.kernels.reference import MASK64, adamw_bias_corrections
 
 DEFAULT_MAX_ELEMENTS = 1 << 26
 
@@ -95,6 +100,33 @@ def _plan(params: list[torch.Tensor], max_elements: int) -> list[list[tuple[int,
     if group:
         updates.append(group)
     return updates
+
+
+@dataclass
+class AdamWUpdate:
+    """One fused AdamW update for a hook to step itself: the members' flat chunks of the parameters,
+    gradients and moments, their step counts and the param group's hyper-parameters (lr, betas,
+    weight_decay, eps, maximize)."""
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    steps: list[torch.Tensor]
+    hyper: dict
+
+    def advance(self) -> torch.Tensor:
+        """Count the step, as torch's fused AdamW does before its kernel, and return the members' bias
+        corrections ``[1 - beta1**step, 1 - beta2**step]`` (float32, ``[2, members]``, on the device)."""
+        torch._foreach_add_(self.steps, 1)
+        beta1, beta2 = self.hyper["betas"]
+        return adamw_bias_corrections(torch.stack(self.steps), beta1, beta2)
+
+
+def _fusable(group: dict) -> bool:
+    # the updates torch's fused AdamW kernel computes and the fused step + diff reproduces
+    decoupled = group.get("decoupled_weight_decay", False) or group["weight_decay"] == 0
+    return bool(group["fused"]) and not group["amsgrad"] and decoupled and not isinstance(group["lr"], torch.Tensor)
 
 
 class Update(list):
@@ -169,6 +201,8 @@ def _step_adam(optimizer: torch.optim.Adam, hook, max_elements: int) -> None:
         if has_complex:
             raise ChunkedStepError("chunked AdamW does not support complex parameters")
         beta1, beta2 = group["betas"]
+        step_adamw = getattr(hook, "step_adamw", None) if _fusable(group) else None
+        hyper = {key: group[key] for key in ("lr", "betas", "weight_decay", "eps", "maximize")}
         split: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # parameter in chunks: (count before, after)
         for chunks in _updates(optimizer, g, params, max_elements):
             update = chunks.index
@@ -180,11 +214,13 @@ def _step_adam(optimizer: torch.optim.Adam, hook, max_elements: int) -> None:
                     before = split[i][0] if i in split else steps[i].clone()
                     split[i] = (before, before.clone())
                     counts.append(split[i][1])
+            ps, gs = [_flat(params[i], a, b) for i, a, b in update], [_flat(grads[i], a, b) for i, a, b in update]
+            ms, vs = [_flat(exp_avgs[i], a, b) for i, a, b in update], [_flat(exp_avg_sqs[i], a, b) for i, a, b in update]
+            if step_adamw is not None and step_adamw(chunks, AdamWUpdate(ps, gs, ms, vs, counts, hyper)):
+                continue
             if hook is not None:
                 hook.before(chunks)
-            adam([_flat(params[i], a, b) for i, a, b in update], [_flat(grads[i], a, b) for i, a, b in update],
-                 [_flat(exp_avgs[i], a, b) for i, a, b in update], [_flat(exp_avg_sqs[i], a, b) for i, a, b in update],
-                 [_flat(max_sqs[i], a, b) for i, a, b in update] if group["amsgrad"] else [], counts,
+            adam(ps, gs, ms, vs, [_flat(max_sqs[i], a, b) for i, a, b in update] if group["amsgrad"] else [], counts,
                  amsgrad=group["amsgrad"], has_complex=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
                  foreach=group["foreach"], capturable=False, differentiable=False, fused=group["fused"],
@@ -212,11 +248,14 @@ class DeltaRecorder:
     old bits of an update live in the sink's staging buffer, one per wire dtype. ``capacity_fraction`` sizes the
     pinned change buffers as a fraction of all elements (a step that changes more raises
     :class:`~rltune.sync.kernels.ChangeCapacityError` at :meth:`collect`). ``backend``: as in
-    :mod:`rltune.sync.kernels` ("auto": Triton on CUDA, torch reference on CPU).
+    :mod:`rltune.sync.kernels` ("auto": Triton on CUDA, torch reference on CPU). ``outputs``: where
+    the changes go ("host": pinned memory, "device": the GPU's). ``fuse_adamw``: whether a fused
+    AdamW's updates are stepped by the sink with the diff inside (``ChangeSink``; "auto": on CUDA).
     """
 
     def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], max_elements: int = DEFAULT_MAX_ELEMENTS,
-                 wire_dtype: torch.dtype | None = None, capacity_fraction: float = 0.25, backend: str = "auto"):
+                 wire_dtype: torch.dtype | None = None, capacity_fraction: float = 0.25, backend: str = "auto",
+                 outputs: str = "host", fuse_adamw: str | bool = "auto"):
         self.params = dict(named_params)
         if not self.params:
             raise ChunkedStepError("DeltaRecorder needs at least one parameter")
@@ -229,7 +268,8 @@ class DeltaRecorder:
         total = sum(p.numel() for p in self.params.values())
         chunks = sum(-(-p.numel() // max_elements) for p in self.params.values())
         largest = min(max_elements, max(p.numel() for p in self.params.values()))
-        self.sink = ChangeSink(max(1, int(total * capacity_fraction)), largest, max(1, chunks), self.device, backend)
+        self.sink = ChangeSink(max(1, int(total * capacity_fraction)), largest, max(1, chunks), self.device, backend,
+                               outputs, fuse_adamw)
 
     def _dtype(self, p: torch.Tensor) -> torch.dtype:
         return self.wire_dtype if self.wire_dtype is not None and p.is_floating_point() else p.dtype
@@ -241,14 +281,21 @@ class DeltaRecorder:
         group = self.sink.group([b - a for _, a, b in chunks], [a for _, a, _ in chunks])
         self.sink.stage(group, [p.detach().view(-1)[a:b] for p, a, b in chunks], self._dtype(chunks[0][0]))
 
-    def after(self, chunks: list[Chunk]) -> None:
+    def _names(self, chunks: list[Chunk]) -> list[str]:
         names = [self._name_of.get(id(p)) for p, _, _ in chunks]
         if None in names:
             raise ChunkedStepError("the optimizer steps a parameter the DeltaRecorder was not given; pass the "
                                    "same named_parameters() the optimizer holds")
+        return names
+
+    def after(self, chunks: list[Chunk]) -> None:
         group = self.sink.group([b - a for _, a, b in chunks], [a for _, a, _ in chunks])
         self.sink.append_staged(group, [p.detach().view(-1)[a:b] for p, a, b in chunks], self._dtype(chunks[0][0]),
-                                names)
+                                self._names(chunks))
+
+    def step_adamw(self, chunks: list[Chunk], update: AdamWUpdate) -> bool:
+        group = self.sink.group([b - a for _, a, b in chunks], [a for _, a, _ in chunks])
+        return self.sink.adamw_append(group, update, self._dtype(chunks[0][0]), self._names(chunks))
 
     def end_step(self) -> None:
         self.sink.finish()
@@ -275,4 +322,4 @@ class DeltaRecorder:
         return out
 
 
-__all__ = ["ChunkHook", "ChunkedStepError", "DeltaRecorder", "TensorChanges", "Update", "chunked_step"]
+__all__ = ["AdamWUpdate", "ChunkHook", "ChunkedStepError", "DeltaRecorder", "TensorChanges", "Update", "chunked_step"]

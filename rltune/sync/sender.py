@@ -90,7 +90,7 @@ class DeltaPublisher:
                  rank: int = 0, world: int = 1, *, run_id: str | None = None,
                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, wire_dtype: torch.dtype | None = None,
                  finalize_timeout_s: float = 600.0, dense_fraction: float | None = None, encoder: str = "auto",
-                 differ: str = "auto", change_capacity: float = 0.1):
+                 differ: str = "auto", change_capacity: float = 0.1, fuse_step: bool = True):
         if interval < 1:
             raise ValueError(f"interval must be >= 1, got {interval}")
         if not 0 <= rank < world:
@@ -122,6 +122,10 @@ class DeltaPublisher:
         if not 0 < change_capacity <= 1:
             raise ValueError(f"change_capacity must be in (0, 1], got {change_capacity}")
         self.differ, self.change_capacity = differ, change_capacity
+        # fuse_step: with the kernels on a GPU and torch's fused AdamW, the kernels step each update
+        # themselves with the diff's first pass inside it (bit-identical to the optimizer's step), so
+        # the weights are not copied before the update nor read twice after it. False: staged.
+        self.fuse_step = fuse_step
         self.root.mkdir(parents=True, exist_ok=True)
 
         state = model.state_dict(keep_vars=True)
@@ -173,7 +177,7 @@ class DeltaPublisher:
         largest = min(self.chunk_elements, max(hi - lo for _, lo, hi in spans))
         try:
             return ChangeSink(max(1, int(total * self.change_capacity)), largest, chunks, device,
-                              backend="triton", outputs="device")
+                              backend="triton", outputs="device", fuse_adamw="auto" if self.fuse_step else False)
         except KernelBackendError:
             raise ValueError("differ='triton' on CPU weights needs TRITON_INTERPRET=1 in the environment before "
                              "triton is imported; use differ='auto' for the torch reference") from None
@@ -259,12 +263,22 @@ class DeltaPublisher:
                                                                               wire_width(new))))
         self._update_old = []
 
+    def _step_adamw(self, chunks: list[tuple[torch.Tensor, int, int]], update) -> bool:
+        # a fused AdamW update whose chunks are all this rank's: the sink steps it with the diff inside
+        prepared = self._prepared(chunks)
+        if prepared is None or self._sink is None:
+            return False
+        mine, names, _, dtype, group = prepared
+        if [(a, b) for _, _, a, b in mine] != [(a, b) for _, a, b in chunks]:
+            return False  # part of a chunk is another rank's: staged and diffed after the update
+        return self._sink.adamw_append(group, update, dtype, names)
+
     def step(self) -> None:
         """Run one optimizer step in chunks, recording this rank's changes. Replaces ``optimizer.step()``."""
         if self._last_step is None:
             raise fmt.ChainError("publish the boot checkpoint (publish(0)) before the first optimizer step, so the "
                                  "engines have a base for the first delta")
-        hook = SimpleNamespace(before=self._before_update, after=self._after_update)
+        hook = SimpleNamespace(before=self._before_update, after=self._after_update, step_adamw=self._step_adamw)
         if self._sink is not None:
             self._sink.reset()
         chunked_step(self.optimizer, hook, self.chunk_elements)

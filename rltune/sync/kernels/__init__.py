@@ -206,7 +206,8 @@ class ChangeSink:
     """
 
     def __init__(self, capacity: int, max_chunk_elements: int, max_chunks: int,
-                 device: torch.device | str = "cpu", backend: str = "auto", outputs: str = "host"):
+                 device: torch.device | str = "cpu", backend: str = "auto", outputs: str = "host",
+                 fuse_adamw: str | bool = "auto"):
         if capacity < 1 or max_chunk_elements < 1 or max_chunks < 1:
             raise KernelError(f"ChangeSink needs positive sizes, got capacity={capacity}, "
                               f"max_chunk_elements={max_chunk_elements}, max_chunks={max_chunks}")
@@ -229,6 +230,13 @@ class ChangeSink:
         self._scratch = None  # the diff's device scratch (triton_kernels.DiffScratch), made at the first append
         self._groups: dict[tuple, PackedGroup] = {}
         self._staging: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # bits dtype -> (old, new)
+        # fuse_adamw: whether adamw_append may step fused AdamW updates itself (diff pass 1 inside the
+        # update). "auto": on CUDA, where it reproduces torch's fused kernel bit for bit; True also
+        # under the interpreter (tests), whose arithmetic is the same but whose torch AdamW is not.
+        if fuse_adamw not in ("auto", True, False):
+            raise KernelError(f"ChangeSink fuse_adamw must be 'auto', True or False, got {fuse_adamw!r}")
+        self.fuse_adamw = self.triton and (fuse_adamw is True or (fuse_adamw == "auto" and self.device.type == "cuda"))
+        self._adamw_tables: dict[int, tuple] = {}  # id(group) -> (pointers, member table, alignment)
         self._event = None
         self._total = 0  # changes of the last collected step
         self.keys: list[Any] = []
@@ -302,6 +310,55 @@ class ChangeSink:
         _triton().diff_extract_launch(old, new, 0, _MASK_OF_BITS[old.dtype], self._diff_scratch(group.padded),
                                       self._start_dev, k, (self.idx, self.new, self.old), self.capacity,
                                       self._checksum_dev, group=group)
+
+    def adamw_append(self, group: PackedGroup, update, dtype: torch.dtype, keys: list[Any]) -> bool:
+        """Step a fused AdamW update (``update``: a :class:`rltune.sync.chunked.AdamWUpdate` whose members
+        are the group's) and record its changes, with pass 1 of the diff inside the update: the old
+        values are never staged before it and never read again after it, only the changed rows'.
+        Returns False, having done nothing, where it cannot (then stage, step and append as usual):
+        the sink does not fuse, or the dtypes are not a parameter's own 16-bit wire or float32
+        parameters on a bfloat16 or float32 wire."""
+        params = update.params
+        p_dtype = params[0].dtype
+        same = all(t.dtype == p_dtype for lst in (params, update.grads, update.exp_avgs, update.exp_avg_sqs)
+                   for t in lst)
+        wire = {(torch.bfloat16, torch.bfloat16): 16, (torch.float16, torch.float16): 16,
+                (torch.float32, torch.bfloat16): 16, (torch.float32, torch.float32): 32}.get((p_dtype, dtype))
+        if not self.fuse_adamw or not same or wire is None or len(params) != len(group.sizes) \
+                or any(t.numel() != z for t, z in zip(params, group.sizes, strict=True)):
+            return False
+        k = len(self.keys)
+        if k + len(keys) > self.max_chunks:
+            raise KernelError(f"more than max_chunks={self.max_chunks} chunks in one step; count in max_chunks "
+                              "every chunk of the step")
+        lists = (params, update.grads, update.exp_avgs, update.exp_avg_sqs)
+        table, align = self._adamw_table(group, lists)
+        corrections = update.advance()
+        old, new = self._buffers(dtype, group.padded)
+        scratch = self._diff_scratch(group.padded)
+        self.keys.extend(keys)
+        tk = _triton()
+        tk.adamw_diff_launch(tuple(lst[0] for lst in lists), table, corrections, align, update.hyper, (old, new),
+                             scratch, self._start_dev, k, group, wire)
+        tk.diff_expand_launch(old, new, 0, _MASK_OF_BITS[old.dtype], scratch, self._start_dev, k,
+                              (self.idx, self.new, self.old), self.capacity, self._checksum_dev, group=group)
+        return True
+
+    def _adamw_table(self, group: PackedGroup, lists) -> tuple[torch.Tensor, int]:
+        # each member's element offsets from the first member's tensors, its bias-correction column and
+        # packed start; remade when a tensor moves (a gradient freed and allocated again)
+        ptrs = tuple(t.data_ptr() for lst in lists for t in lst)
+        hit = self._adamw_tables.get(id(group))
+        if hit is not None and hit[0] == ptrs:
+            return hit[1], hit[2]
+        item = lists[0][0].element_size()
+        rows = [[(lst[m].data_ptr() - lst[0].data_ptr()) // item for lst in lists] + [m, group.starts[m]]
+                for m in range(len(lists[0]))]
+        vector = 16 // item  # elements per 16-byte load: the kernel's loads vectorise when every offset is a multiple
+        aligned = all(p % 16 == 0 for p in ptrs) and all(v % vector == 0 for row in rows for v in row[:4])
+        table = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        self._adamw_tables[id(group)] = (ptrs, table, vector if aligned else 1)
+        return table, vector if aligned else 1
 
     def append(self, old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int, key: Any) -> None:
         """Record the changes of a chunk holding elements ``[offset, offset + N)`` of the tensor ``key``."""

@@ -199,6 +199,69 @@ def apply_deltas_ref(targets: list[torch.Tensor], layouts: list[dict], entry_ten
     return checksums, written
 
 
+def fma32_ref(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` of float32 tensors rounded once, as a GPU's fused multiply-add rounds it.
+
+    The product of two float32 values is exact in float64; the sum is rounded to float64 and then
+    moved to round-to-odd (when inexact and even, one float64 step toward the exact sum's side, known
+    from the sum's error term), and a round-to-odd value with 29 spare bits rounds to float32 exactly
+    as the exact sum would, subnormals included."""
+    a64, b64, c64 = a.double(), b.double(), c.double()  # float32 values (or float64 holding them)
+    p = a64 * b64
+    s = p + c64
+    bp = s - p
+    err = (p - (s - bp)) + (c64 - bp)  # s + err == p + c exactly
+    bits = s.view(torch.int64)
+    inexact = (err != 0) & torch.isfinite(s) & ((bits & 1) == 0)
+    step = torch.where((err > 0) == (s > 0), 1, -1)
+    return torch.where(inexact, bits + step, bits).view(torch.float64).float()
+
+
+def adamw_bias_corrections(steps: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    """``[1 - beta1**step, 1 - beta2**step]`` per step count (float32, shape ``[2, M]``), computed in
+    float32 on the steps' device as torch's fused AdamW computes them (``pow`` of float32 values)."""
+    betas = torch.tensor([[beta1], [beta2]], dtype=torch.float32, device=steps.device)
+    return 1 - torch.pow(betas, steps.reshape(1, -1).float())
+
+
+def adamw_step_ref(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                   bias_corrections: tuple[torch.Tensor | float, torch.Tensor | float], lr: float, beta1: float,
+                   beta2: float, weight_decay: float, eps: float, maximize: bool = False) -> None:
+    """One AdamW update in place, with the arithmetic of torch's fused CUDA AdamW, in float32.
+
+    Each value is widened to float32; the weight decay ``p -= (lr * wd) * p`` and both moments are
+    fused multiply-adds (``m = fma(b1, m, fma(-b1, g, g))``, ``v = fma(b2, v, fma(-b2, g*g, g*g))``);
+    ``p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)`` rounds each operation; the results are
+    rounded back to the tensors' dtypes. ``bias_corrections``: ``(1 - beta1**step, 1 - beta2**step)``
+    as float32 (:func:`adamw_bias_corrections`). The oracle of the fused AdamW + diff kernel.
+    """
+    # Every float32 operation is done in float64 and rounded to float32, which is the correctly
+    # rounded float32 result for + - * / and sqrt (53 >= 2 * 24 + 2 bits); torch's own float32
+    # kernels on a CPU need not be (its vectorised sqrt is not).
+    def r(x: torch.Tensor) -> torch.Tensor:
+        return x.float().double()
+
+    dev = param.device
+    p, g = param.double(), grad.double()
+    m, v = exp_avg.double(), exp_avg_sq.double()
+    if maximize:
+        g = -g
+    lr32, b1, b2, eps32 = (r(torch.tensor(x, dtype=torch.float64, device=dev)) for x in (lr, beta1, beta2, eps))
+    if weight_decay != 0:
+        lw = r(lr32 * r(torch.tensor(weight_decay, dtype=torch.float64, device=dev)))
+        p = fma32_ref(-lw.expand_as(p), p, p).double()
+    m = fma32_ref(b1.expand_as(m), m, fma32_ref(-b1.expand_as(g), g, g)).double()
+    g2 = r(g * g)
+    v = fma32_ref(b2.expand_as(v), v, fma32_ref(-b2.expand_as(g2), g2, g2)).double()
+    bc1, bc2 = (torch.as_tensor(x, device=dev).float().double() for x in bias_corrections)
+    step_size = r(lr32 / bc1)
+    denom = r(r(r(torch.sqrt(v)) / r(torch.sqrt(bc2))) + eps32)
+    p = r(p - r(r(step_size * m) / denom))
+    param.copy_(p)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+
+
 def _signed_bits(val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # New bits may arrive as unsigned patterns in a wider int; wrap them into the signed view.
     width = {torch.int16: 16, torch.int32: 32}[dtype]
@@ -208,6 +271,8 @@ def _signed_bits(val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 __all__ = [
     "MASK64",
+    "adamw_bias_corrections",
+    "adamw_step_ref",
     "apply_delta_ref",
     "apply_deltas_ref",
     "as_bits",
@@ -216,6 +281,7 @@ __all__ = [
     "checksum_update_ref",
     "diff_extract_ref",
     "diff_ref",
+    "fma32_ref",
     "map_positions_ref",
     "unsigned",
     "wrapping_add_bits",

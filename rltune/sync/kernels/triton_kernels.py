@@ -311,6 +311,22 @@ class DiffScratch:
         self.tile_KT.zero_()
 
 
+def _diff_tables(n: int, scratch: DiffScratch, chunk_start: torch.Tensor, chunk: int, group, device):
+    # (programs, members, block_member, member_end, member_offset) of one diff, its scratch checked
+    programs = diff_programs(n)
+    members = 1 if group is None else len(group.sizes)
+    if scratch.rows != DIFF_ROWS or scratch.tile != DIFF_TILE or programs > scratch.count_P.numel() \
+            or chunk >= scratch.tile_KT.shape[0] or chunk + members >= chunk_start.numel():
+        raise ValueError(f"diff scratch made for {scratch.count_P.numel()} blocks of {scratch.rows} rows and "
+                         f"{scratch.tile_KT.shape[0]} chunks cannot hold chunk {chunk} of {n} elements "
+                         f"({programs} blocks of {DIFF_ROWS} rows, {members} members)")
+    if group is None:
+        return programs, members, scratch.count_P, scratch.count_P, scratch.count_P  # tables unread
+    if group.block != diff_block():
+        raise ValueError(f"packed group aligned to {group.block} elements, the diff's blocks hold {diff_block()}")
+    return (programs, members) + group.tables(device)
+
+
 def diff_extract_launch(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int, mask: int,
                         scratch: DiffScratch, chunk_start: torch.Tensor, chunk: int,
                         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], capacity: int,
@@ -324,27 +340,176 @@ def diff_extract_launch(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offs
     output chunks ``chunk .. chunk + members - 1``: each gets its start, its checksum change and its
     tensor's indices."""
     n = old_bits_N.numel() if group is None else group.n
-    programs = diff_programs(n)
-    members = 1 if group is None else len(group.sizes)
-    if scratch.rows != DIFF_ROWS or scratch.tile != DIFF_TILE or programs > scratch.count_P.numel() \
-            or chunk >= scratch.tile_KT.shape[0] or chunk + members >= chunk_start.numel():
-        raise ValueError(f"diff scratch made for {scratch.count_P.numel()} blocks of {scratch.rows} rows and "
-                         f"{scratch.tile_KT.shape[0]} chunks cannot hold chunk {chunk} of {n} elements "
-                         f"({programs} blocks of {DIFF_ROWS} rows, {members} members)")
-    tiles = scratch.tile_KT[chunk]
-    asm = not _interpreted()
-    grouped = group is not None
-    if not grouped:
-        block_member, member_end, member_offset = scratch.count_P, scratch.count_P, scratch.count_P  # unread
-    elif group.block != diff_block():
-        raise ValueError(f"packed group aligned to {group.block} elements, the diff's blocks hold {diff_block()}")
+    programs, _, block_member, member_end, _ = _diff_tables(n, scratch, chunk_start, chunk, group, old_bits_N.device)
+    _DIFF_MASK((programs,), old_bits_N, new_bits_N, n, scratch.words, scratch.count_P, scratch.tile_KT[chunk],
+               block_member, member_end, DIFF_ROWS, DIFF_TILE, not _interpreted(), group is not None,
+               num_warps=DIFF_WARPS)
+    diff_expand_launch(old_bits_N, new_bits_N, offset, mask, scratch, chunk_start, chunk, out, capacity, checksum_K,
+                       group)
+
+
+def diff_expand_launch(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int, mask: int,
+                       scratch: DiffScratch, chunk_start: torch.Tensor, chunk: int,
+                       out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], capacity: int,
+                       checksum_K: torch.Tensor, group=None) -> None:
+    """Pass 2 alone, after a pass 1 (the diff's own or the fused AdamW step's) left the chunk's change
+    words, block counts and tile counters in ``scratch``; arguments as :func:`diff_extract_launch`.
+    Reads the old and new bits at the changed positions only."""
+    n = old_bits_N.numel() if group is None else group.n
+    programs, members, block_member, _, member_offset = _diff_tables(n, scratch, chunk_start, chunk, group,
+                                                                     old_bits_N.device)
+    _DIFF_EXPAND((programs,), old_bits_N, new_bits_N, scratch.words, scratch.count_P, scratch.tile_KT[chunk],
+                 scratch.s_pos, chunk_start, chunk, offset, out[0], out[1], out[2], checksum_K, capacity, programs,
+                 block_member, member_offset, members, mask, DIFF_ROWS, DIFF_COPY, DIFF_TILE, scratch.tiles,
+                 not _interpreted(), group is not None, num_warps=DIFF_WARPS)
+
+
+# ----------------------------------------------------------------------------------- AdamW + diff pass 1
+
+ADAMW_SUB = 32  # rows of a diff block the fused step handles at once (1024 elements, 8 per thread)
+ADAMW_WARPS = 4
+ADAMW_MEMBER_FIELDS = ("param", "grad", "exp_avg", "exp_avg_sq", "step", "start")  # the member table's columns
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr, ASM: tl.constexpr):
+    # float32 to a parameter's dtype, to nearest even: the hardware conversion on a GPU; under the
+    # interpreter (whose bfloat16 conversion does not round to even) integer arithmetic on the bits
+    if dtype == tl.float32:
+        return x
+    elif dtype == tl.bfloat16 and not ASM:
+        bits = x.to(tl.int32, bitcast=True)
+        up = bits + 0x7FFF + ((bits >> 16) & 1)  # carries into the upper half when past the half-way point
+        return (up >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
-        block_member, member_end, member_offset = group.tables(old_bits_N.device)
-    _DIFF_MASK((programs,), old_bits_N, new_bits_N, n, scratch.words, scratch.count_P, tiles, block_member, member_end,
-               DIFF_ROWS, DIFF_TILE, asm, grouped, num_warps=DIFF_WARPS)
-    _DIFF_EXPAND((programs,), old_bits_N, new_bits_N, scratch.words, scratch.count_P, tiles, scratch.s_pos, chunk_start,
-                 chunk, offset, out[0], out[1], out[2], checksum_K, capacity, programs, block_member, member_offset,
-                 members, mask, DIFF_ROWS, DIFF_COPY, DIFF_TILE, scratch.tiles, asm, grouped, num_warps=DIFF_WARPS)
+        return x.to(dtype)
+
+
+@triton.jit
+def _adamw_block(param_ptr, grad_ptr, avg_ptr, sq_ptr, old_ptr, new_ptr, words_ptr, pid, base, end, lr_decay,
+                 beta1, beta2, eps, step_size, bias2_sqrt, ROWS: tl.constexpr, SUB: tl.constexpr,
+                 ASM: tl.constexpr, DECAY: tl.constexpr, MAXIMIZE: tl.constexpr, WIRE: tl.constexpr,
+                 MASKED: tl.constexpr):
+    # the block's rows, SUB at a time; the pointers are at the block's first element (staging: base)
+    row = tl.arange(0, SUB)
+    col = tl.arange(0, 32)
+    local = row[:, None] * 32 + col[None, :]
+    count = tl.zeros([SUB], dtype=tl.int32)
+    for s in tl.range(0, ROWS // SUB):
+        at = s * (SUB * 32) + local
+        if MASKED:  # the member's last block: past its end, nothing is read or written
+            valid = base + at < end
+            raw = tl.load(param_ptr + at, mask=valid, other=0)
+            g = tl.load(grad_ptr + at, mask=valid, other=0).to(tl.float32)
+            avg = tl.load(avg_ptr + at, mask=valid, other=0).to(tl.float32)
+            sq = tl.load(sq_ptr + at, mask=valid, other=0).to(tl.float32)
+        else:
+            raw = tl.load(param_ptr + at)
+            g = tl.load(grad_ptr + at).to(tl.float32)
+            avg = tl.load(avg_ptr + at).to(tl.float32)
+            sq = tl.load(sq_ptr + at).to(tl.float32)
+        p = raw.to(tl.float32)
+        if MAXIMIZE:
+            g = -g
+        if DECAY:
+            p = tl.fma(-lr_decay, p, p)
+        avg = tl.fma(beta1, avg, tl.fma(-beta1, g, g))
+        g2 = g * g
+        sq = tl.fma(beta2, sq, tl.fma(-beta2, g2, g2))
+        denom = tl.div_rn(tl.sqrt_rn(sq), bias2_sqrt) + eps
+        p = p - tl.div_rn(step_size * avg, denom)
+        stored = _round_to(p, raw.dtype, ASM)
+        if MASKED:
+            tl.store(param_ptr + at, stored, mask=valid)
+            tl.store(avg_ptr + at, _round_to(avg, raw.dtype, ASM), mask=valid)
+            tl.store(sq_ptr + at, _round_to(sq, raw.dtype, ASM), mask=valid)
+        else:
+            tl.store(param_ptr + at, stored)
+            tl.store(avg_ptr + at, _round_to(avg, raw.dtype, ASM))
+            tl.store(sq_ptr + at, _round_to(sq, raw.dtype, ASM))
+        if WIRE == 16:  # 16-bit wire: the parameter's own bits, or float32 rounded to bfloat16
+            if raw.dtype == tl.float32:
+                old = _round_to(raw, tl.bfloat16, ASM).to(tl.int16, bitcast=True)
+                new = _round_to(stored, tl.bfloat16, ASM).to(tl.int16, bitcast=True)
+            else:
+                old = raw.to(tl.int16, bitcast=True)
+                new = stored.to(tl.int16, bitcast=True)
+        else:
+            old = raw.to(tl.int32, bitcast=True)
+            new = stored.to(tl.int32, bitcast=True)
+        changed = (old != new).to(tl.int32)  # past the end both sides hold 0
+        word = tl.sum(changed << col[None, :], axis=1)
+        tl.store(words_ptr + pid.to(tl.int64) * ROWS + s * SUB + row, word)
+        keep = (word != 0)[:, None]  # whole rows: the stores stay vectorised
+        if MASKED:
+            keep = keep & valid
+        tl.store(old_ptr + at, old, mask=keep)
+        tl.store(new_ptr + at, new, mask=keep)
+        count += _popcount(word, ASM)
+    return tl.sum(count, axis=0)
+
+
+@triton.jit(do_not_specialize=["members"])
+def _adamw_diff_kernel(param_ptr, grad_ptr, avg_ptr, sq_ptr, member_M_ptr, corr_ptr, members: tl.int64,
+                       block_member_ptr, member_end_ptr, old_ptr, new_ptr, words_ptr, count_P_ptr, tile_T_ptr,
+                       lr, beta1, beta2, lr_decay, eps, ROWS: tl.constexpr, SUB: tl.constexpr,
+                       TILE: tl.constexpr, ASM: tl.constexpr, DECAY: tl.constexpr, MAXIMIZE: tl.constexpr,
+                       WIRE: tl.constexpr, ALIGN: tl.constexpr):
+    # One diff block of one member: AdamW as torch's fused CUDA kernel computes it (float32, the
+    # same fused multiply-adds, correctly rounded division and square root), then pass 1 of the diff
+    # on the old and new wire bits, which never leave registers: each row's change word, the block's
+    # count and its tile's counter, as _diff_mask_kernel writes them. Rows with a change also leave
+    # their old and new bits in the staging buffers (the group's packed layout) for pass 2's
+    # gathers; other rows write nothing there. Member m's tensors sit at element offsets
+    # member_M[m] from the first member's (any allocation; ALIGN: what every offset is a multiple of).
+    pid = tl.program_id(0)
+    m = tl.load(block_member_ptr + pid).to(tl.int64)
+    row_m = member_M_ptr + m * 6
+    step = tl.load(row_m + 4)
+    start = tl.multiple_of(tl.load(row_m + 5), ROWS * 32)
+    end = tl.load(member_end_ptr + m)
+    step_size = tl.div_rn(lr, tl.load(corr_ptr + step))
+    bias2_sqrt = tl.sqrt_rn(tl.load(corr_ptr + members + step))
+    base = pid.to(tl.int64) * (ROWS * 32)
+    rel = base - start  # the block's first element within its member's chunk
+    params = param_ptr + tl.multiple_of(tl.load(row_m + 0), ALIGN) + rel
+    grads = grad_ptr + tl.multiple_of(tl.load(row_m + 1), ALIGN) + rel
+    avgs = avg_ptr + tl.multiple_of(tl.load(row_m + 2), ALIGN) + rel
+    sqs = sq_ptr + tl.multiple_of(tl.load(row_m + 3), ALIGN) + rel
+    if end - base >= ROWS * 32:
+        total = _adamw_block(params, grads, avgs, sqs, old_ptr + base, new_ptr + base, words_ptr, pid, base, end,
+                             lr_decay, beta1, beta2, eps, step_size, bias2_sqrt, ROWS, SUB, ASM, DECAY, MAXIMIZE, WIRE,
+                             False)
+    else:
+        total = _adamw_block(params, grads, avgs, sqs, old_ptr + base, new_ptr + base, words_ptr, pid, base, end,
+                             lr_decay, beta1, beta2, eps, step_size, bias2_sqrt, ROWS, SUB, ASM, DECAY, MAXIMIZE, WIRE,
+                             True)
+    tl.store(count_P_ptr + pid, total)
+    if total > 0:
+        tl.atomic_add(tile_T_ptr + pid // TILE, total)
+
+
+_ADAMW_DIFF = Launch(_adamw_diff_kernel)
+
+
+def adamw_diff_launch(tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], member_M: torch.Tensor,
+                      corrections: torch.Tensor, align: int, hyper: dict, staging: tuple[torch.Tensor, torch.Tensor],
+                      scratch: DiffScratch, chunk_start: torch.Tensor, chunk: int, group, wire_bits: int) -> None:
+    """Pass 1 of a packed group's diff fused into its AdamW update (see ``_adamw_diff_kernel``).
+
+    ``tensors``: the first member's parameter, gradient and moments (flat chunks); ``member_M``
+    (int64, one row of :data:`ADAMW_MEMBER_FIELDS` per member on the device): each member's element
+    offsets from them, its column in ``corrections`` (float32 ``[2, steps]``: ``1 - beta**step``)
+    and its packed start. ``hyper``: lr, betas, weight_decay, eps, maximize. Pass 2 follows with
+    :func:`diff_expand_launch` on ``staging``."""
+    programs, _, block_member, member_end, _ = _diff_tables(group.n, scratch, chunk_start, chunk, group,
+                                                            member_M.device)
+    lr, (beta1, beta2), decay = float(hyper["lr"]), hyper["betas"], float(hyper["weight_decay"])
+    lr_decay = float(torch.tensor(lr, dtype=torch.float32) * torch.tensor(decay, dtype=torch.float32))
+    _ADAMW_DIFF((programs,), *tensors, member_M, corrections, corrections.shape[1], block_member, member_end,
+                staging[0], staging[1], scratch.words, scratch.count_P, scratch.tile_KT[chunk], lr, float(beta1),
+                float(beta2), lr_decay, float(hyper["eps"]), DIFF_ROWS, ADAMW_SUB, DIFF_TILE, not _interpreted(),
+                decay != 0, bool(hyper["maximize"]), wire_bits, align, num_warps=ADAMW_WARPS)
 
 
 # --------------------------------------------------------------------------------------- fused apply
