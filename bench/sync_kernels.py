@@ -7,7 +7,7 @@ Sections (each reports min/median/max ms, GB/s and the ratio to its baseline):
 - diff:      diff/extract of 1 GiB of bf16 in 64 M-element chunks vs ``torch.nonzero(a != b)``;
 - checksum:  full checksum of 1 GiB vs a device copy of it (copy bandwidth counts read + write);
 - step:      AdamW (fused) on ~0.5 B bf16 parameters: chunked step with the delta recorder vs a plain step;
-- adamw:     AdamW (fused) on 1 GiB of bf16 in 64 M-element parameters, changes kept in device memory:
+- adamw:     AdamW (fused) on 1 and 4 GiB of bf16 in 64 M-element parameters, changes in device memory:
              the plain step vs the chunked step with the diff staged around each update (a copy before,
              both passes after) and with its pass 1 fused into the update; all three must stay bit-identical;
 - tune:      (GPU, runs first when asked for) launch configurations of checksum, diff and apply; the
@@ -372,6 +372,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--git-sha", default=None, help="commit measured (default: git rev-parse HEAD)")
     ap.add_argument("--sections", default="apply,diff,checksum,step,adamw")
+    ap.add_argument("--adamw-gib", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4],
+                    help="sizes of the adamw section, in GiB of bf16 parameters")
     args = ap.parse_args()
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -402,7 +404,9 @@ def main() -> None:
     if "step" in sections:
         record["step"] = bench_step(dev, timer, total, 4 if args.tiny else 16, chunk)
     if "adamw" in sections:
-        record["adamw"] = bench_adamw(dev, timer, total, 2 if args.tiny else 8, chunk)
+        # at 1 GiB like the other sections, and larger: the step's fixed host latency spreads over more GiB
+        record["adamw"] = [bench_adamw(dev, timer, total * gib, 2 * gib if args.tiny else 8 * gib, chunk)
+                           for gib in args.adamw_gib]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
     print(json.dumps(record, indent=1))

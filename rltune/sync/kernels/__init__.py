@@ -236,7 +236,8 @@ class ChangeSink:
         if fuse_adamw not in ("auto", True, False):
             raise KernelError(f"ChangeSink fuse_adamw must be 'auto', True or False, got {fuse_adamw!r}")
         self.fuse_adamw = self.triton and (fuse_adamw is True or (fuse_adamw == "auto" and self.device.type == "cuda"))
-        self._adamw_tables: dict[int, tuple] = {}  # id(group) -> (pointers, member table, alignment)
+        # (id(group), first parameter's address) -> (pointers, member table, alignment, its host copy)
+        self._adamw_tables: dict[tuple[int, int], tuple] = {}
         self._event = None
         self._total = 0  # changes of the last collected step
         self.keys: list[Any] = []
@@ -335,20 +336,24 @@ class ChangeSink:
         table, align = self._adamw_table(group, lists)
         corrections = update.advance()
         old, new = self._buffers(dtype, group.padded)
+        if len(params) == 1 and p_dtype == dtype:
+            new = None  # a lone member on its own wire: pass 2 reads the new bits from the parameter itself
         scratch = self._diff_scratch(group.padded)
         self.keys.extend(keys)
         tk = _triton()
         tk.adamw_diff_launch(tuple(lst[0] for lst in lists), table, corrections, align, update.hyper, (old, new),
                              scratch, self._start_dev, k, group, wire)
-        tk.diff_expand_launch(old, new, 0, _MASK_OF_BITS[old.dtype], scratch, self._start_dev, k,
-                              (self.idx, self.new, self.old), self.capacity, self._checksum_dev, group=group)
+        tk.diff_expand_launch(old, as_bits(params[0]) if new is None else new, 0, _MASK_OF_BITS[old.dtype], scratch,
+                              self._start_dev, k, (self.idx, self.new, self.old), self.capacity, self._checksum_dev,
+                              group=group)
         return True
 
     def _adamw_table(self, group: PackedGroup, lists) -> tuple[torch.Tensor, int]:
         # each member's element offsets from the first member's tensors, its bias-correction column and
         # packed start; remade when a tensor moves (a gradient freed and allocated again)
         ptrs = tuple(t.data_ptr() for lst in lists for t in lst)
-        hit = self._adamw_tables.get(id(group))
+        key = (id(group), ptrs[0])  # updates of equal sizes share a group, not a first parameter
+        hit = self._adamw_tables.get(key)
         if hit is not None and hit[0] == ptrs:
             return hit[1], hit[2]
         item = lists[0][0].element_size()
@@ -356,8 +361,11 @@ class ChangeSink:
                 for m in range(len(lists[0]))]
         vector = 16 // item  # elements per 16-byte load: the kernel's loads vectorise when every offset is a multiple
         aligned = all(p % 16 == 0 for p in ptrs) and all(v % vector == 0 for row in rows for v in row[:4])
-        table = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        self._adamw_tables[id(group)] = (ptrs, table, vector if aligned else 1)
+        rows = torch.tensor(rows, dtype=torch.int64)
+        if self.device.type == "cuda":  # a pageable copy would wait for the GPU to drain: pinned, queued
+            rows = rows.pin_memory()
+        table = rows.to(self.device, non_blocking=True)
+        self._adamw_tables[key] = (ptrs, table, vector if aligned else 1, rows)
         return table, vector if aligned else 1
 
     def append(self, old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int, key: Any) -> None:

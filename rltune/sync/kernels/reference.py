@@ -220,8 +220,14 @@ def fma32_ref(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor
 def adamw_bias_corrections(steps: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
     """``[1 - beta1**step, 1 - beta2**step]`` per step count (float32, shape ``[2, M]``), computed in
     float32 on the steps' device as torch's fused AdamW computes them (``pow`` of float32 values)."""
-    betas = torch.tensor([[beta1], [beta2]], dtype=torch.float32, device=steps.device)
+    key = (steps.device, beta1, beta2)
+    betas = _BETAS.get(key)
+    if betas is None:  # made once: a copy to the GPU each step would wait for it to drain
+        betas = _BETAS[key] = torch.tensor([[beta1], [beta2]], dtype=torch.float32, device=steps.device)
     return 1 - torch.pow(betas, steps.reshape(1, -1).float())
+
+
+_BETAS: dict[tuple, torch.Tensor] = {}
 
 
 def adamw_step_ref(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

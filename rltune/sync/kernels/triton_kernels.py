@@ -20,6 +20,7 @@ Conventions every kernel keeps:
 
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -366,7 +367,7 @@ def diff_expand_launch(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offse
 
 # ----------------------------------------------------------------------------------- AdamW + diff pass 1
 
-ADAMW_SUB = 32  # rows of a diff block the fused step handles at once (1024 elements, 8 per thread)
+ADAMW_SUB = 16  # rows of a diff block the fused step handles at once (512 elements, 4 per thread)
 ADAMW_WARPS = 4
 ADAMW_MEMBER_FIELDS = ("param", "grad", "exp_avg", "exp_avg_sq", "step", "start")  # the member table's columns
 
@@ -389,7 +390,7 @@ def _round_to(x, dtype: tl.constexpr, ASM: tl.constexpr):
 def _adamw_block(param_ptr, grad_ptr, avg_ptr, sq_ptr, old_ptr, new_ptr, words_ptr, pid, base, end, lr_decay,
                  beta1, beta2, eps, step_size, bias2_sqrt, ROWS: tl.constexpr, SUB: tl.constexpr,
                  ASM: tl.constexpr, DECAY: tl.constexpr, MAXIMIZE: tl.constexpr, WIRE: tl.constexpr,
-                 MASKED: tl.constexpr):
+                 STAGE_NEW: tl.constexpr, MASKED: tl.constexpr):
     # the block's rows, SUB at a time; the pointers are at the block's first element (staging: base)
     row = tl.arange(0, SUB)
     col = tl.arange(0, 32)
@@ -444,7 +445,8 @@ def _adamw_block(param_ptr, grad_ptr, avg_ptr, sq_ptr, old_ptr, new_ptr, words_p
         if MASKED:
             keep = keep & valid
         tl.store(old_ptr + at, old, mask=keep)
-        tl.store(new_ptr + at, new, mask=keep)
+        if STAGE_NEW:
+            tl.store(new_ptr + at, new, mask=keep)
         count += _popcount(word, ASM)
     return tl.sum(count, axis=0)
 
@@ -454,13 +456,14 @@ def _adamw_diff_kernel(param_ptr, grad_ptr, avg_ptr, sq_ptr, member_M_ptr, corr_
                        block_member_ptr, member_end_ptr, old_ptr, new_ptr, words_ptr, count_P_ptr, tile_T_ptr,
                        lr, beta1, beta2, lr_decay, eps, ROWS: tl.constexpr, SUB: tl.constexpr,
                        TILE: tl.constexpr, ASM: tl.constexpr, DECAY: tl.constexpr, MAXIMIZE: tl.constexpr,
-                       WIRE: tl.constexpr, ALIGN: tl.constexpr):
+                       WIRE: tl.constexpr, ALIGN: tl.constexpr, STAGE_NEW: tl.constexpr):
     # One diff block of one member: AdamW as torch's fused CUDA kernel computes it (float32, the
     # same fused multiply-adds, correctly rounded division and square root), then pass 1 of the diff
     # on the old and new wire bits, which never leave registers: each row's change word, the block's
     # count and its tile's counter, as _diff_mask_kernel writes them. Rows with a change also leave
     # their old and new bits in the staging buffers (the group's packed layout) for pass 2's
-    # gathers; other rows write nothing there. Member m's tensors sit at element offsets
+    # gathers (the new ones unless STAGE_NEW is off: a lone member on its own wire, read in place);
+    # other rows write nothing there. Member m's tensors sit at element offsets
     # member_M[m] from the first member's (any allocation; ALIGN: what every offset is a multiple of).
     pid = tl.program_id(0)
     m = tl.load(block_member_ptr + pid).to(tl.int64)
@@ -479,11 +482,11 @@ def _adamw_diff_kernel(param_ptr, grad_ptr, avg_ptr, sq_ptr, member_M_ptr, corr_
     if end - base >= ROWS * 32:
         total = _adamw_block(params, grads, avgs, sqs, old_ptr + base, new_ptr + base, words_ptr, pid, base, end,
                              lr_decay, beta1, beta2, eps, step_size, bias2_sqrt, ROWS, SUB, ASM, DECAY, MAXIMIZE, WIRE,
-                             False)
+                             STAGE_NEW, False)
     else:
         total = _adamw_block(params, grads, avgs, sqs, old_ptr + base, new_ptr + base, words_ptr, pid, base, end,
                              lr_decay, beta1, beta2, eps, step_size, bias2_sqrt, ROWS, SUB, ASM, DECAY, MAXIMIZE, WIRE,
-                             True)
+                             STAGE_NEW, True)
     tl.store(count_P_ptr + pid, total)
     if total > 0:
         tl.atomic_add(tile_T_ptr + pid // TILE, total)
@@ -501,15 +504,16 @@ def adamw_diff_launch(tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
     (int64, one row of :data:`ADAMW_MEMBER_FIELDS` per member on the device): each member's element
     offsets from them, its column in ``corrections`` (float32 ``[2, steps]``: ``1 - beta**step``)
     and its packed start. ``hyper``: lr, betas, weight_decay, eps, maximize. Pass 2 follows with
-    :func:`diff_expand_launch` on ``staging``."""
+    :func:`diff_expand_launch` on ``staging`` (new bits None: not staged, pass 2 reads the parameter)."""
     programs, _, block_member, member_end, _ = _diff_tables(group.n, scratch, chunk_start, chunk, group,
                                                             member_M.device)
     lr, (beta1, beta2), decay = float(hyper["lr"]), hyper["betas"], float(hyper["weight_decay"])
-    lr_decay = float(torch.tensor(lr, dtype=torch.float32) * torch.tensor(decay, dtype=torch.float32))
+    lr_decay = float(np.float32(lr) * np.float32(decay))  # (lr * wd) in float32, as the fused kernel has it
+    stage_new = staging[1] is not None
     _ADAMW_DIFF((programs,), *tensors, member_M, corrections, corrections.shape[1], block_member, member_end,
-                staging[0], staging[1], scratch.words, scratch.count_P, scratch.tile_KT[chunk], lr, float(beta1),
+                staging[0], staging[1] if stage_new else staging[0], scratch.words, scratch.count_P, scratch.tile_KT[chunk], lr, float(beta1),
                 float(beta2), lr_decay, float(hyper["eps"]), DIFF_ROWS, ADAMW_SUB, DIFF_TILE, not _interpreted(),
-                decay != 0, bool(hyper["maximize"]), wire_bits, align, num_warps=ADAMW_WARPS)
+                decay != 0, bool(hyper["maximize"]), wire_bits, align, stage_new, num_warps=ADAMW_WARPS)
 
 
 # --------------------------------------------------------------------------------------- fused apply
