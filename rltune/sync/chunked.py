@@ -53,7 +53,7 @@ import torch
 
 from rltune.errors import RltuneError
 from rltune.sync.kernels import ChangeSink
-from rltune.sync.kernels.reference import MASK64, adamw_bias_corrections
+from rltune.sync.kernels.reference import MASK64, adamw_beta_powers
 
 DEFAULT_MAX_ELEMENTS = 1 << 26
 
@@ -116,11 +116,12 @@ class AdamWUpdate:
     hyper: dict
 
     def advance(self) -> torch.Tensor:
-        """Count the step, as torch's fused AdamW does before its kernel, and return the members' bias
-        corrections ``[1 - beta1**step, 1 - beta2**step]`` (float32, ``[2, members]``, on the device)."""
+        """Count the step, as torch's fused AdamW does before its kernel, and return the members'
+        ``[beta1**step, beta2**step]`` (float32, ``[2, members]``, on the device)."""
         torch._foreach_add_(self.steps, 1)
         beta1, beta2 = self.hyper["betas"]
-        return adamw_bias_corrections(torch.stack(self.steps), beta1, beta2)
+        steps = self.steps[0].reshape(1) if len(self.steps) == 1 else torch.stack(self.steps)
+        return adamw_beta_powers(steps, beta1, beta2)
 
 
 def _fusable(group: dict) -> bool:

@@ -334,14 +334,14 @@ class ChangeSink:
                               "every chunk of the step")
         lists = (params, update.grads, update.exp_avgs, update.exp_avg_sqs)
         table, align = self._adamw_table(group, lists)
-        corrections = update.advance()
+        powers = update.advance()
         old, new = self._buffers(dtype, group.padded)
         if len(params) == 1 and p_dtype == dtype:
             new = None  # a lone member on its own wire: pass 2 reads the new bits from the parameter itself
         scratch = self._diff_scratch(group.padded)
         self.keys.extend(keys)
         tk = _triton()
-        tk.adamw_diff_launch(tuple(lst[0] for lst in lists), table, corrections, align, update.hyper, (old, new),
+        tk.adamw_diff_launch(tuple(lst[0] for lst in lists), table, powers, align, update.hyper, (old, new),
                              scratch, self._start_dev, k, group, wire)
         tk.diff_expand_launch(old, as_bits(params[0]) if new is None else new, 0, _MASK_OF_BITS[old.dtype], scratch,
                               self._start_dev, k, (self.idx, self.new, self.old), self.capacity, self._checksum_dev,

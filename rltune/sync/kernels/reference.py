@@ -217,14 +217,20 @@ def fma32_ref(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor
     return torch.where(inexact, bits + step, bits).view(torch.float64).float()
 
 
-def adamw_bias_corrections(steps: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
-    """``[1 - beta1**step, 1 - beta2**step]`` per step count (float32, shape ``[2, M]``), computed in
-    float32 on the steps' device as torch's fused AdamW computes them (``pow`` of float32 values)."""
+def adamw_beta_powers(steps: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    """``[beta1**step, beta2**step]`` per step count (float32, shape ``[2, M]``), computed on the
+    steps' device with torch's float32 ``pow``, the function torch's fused AdamW calls."""
     key = (steps.device, beta1, beta2)
     betas = _BETAS.get(key)
     if betas is None:  # made once: a copy to the GPU each step would wait for it to drain
         betas = _BETAS[key] = torch.tensor([[beta1], [beta2]], dtype=torch.float32, device=steps.device)
-    return 1 - torch.pow(betas, steps.reshape(1, -1).float())
+    return torch.pow(betas, steps.reshape(1, -1).float())
+
+
+def adamw_bias_corrections(steps: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    """``[1 - beta1**step, 1 - beta2**step]`` per step count (float32, ``[2, M]``), as torch's fused
+    AdamW computes them."""
+    return 1 - adamw_beta_powers(steps, beta1, beta2)
 
 
 _BETAS: dict[tuple, torch.Tensor] = {}
@@ -277,6 +283,7 @@ def _signed_bits(val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 __all__ = [
     "MASK64",
+    "adamw_beta_powers",
     "adamw_bias_corrections",
     "adamw_step_ref",
     "apply_delta_ref",

@@ -452,7 +452,7 @@ def _adamw_block(param_ptr, grad_ptr, avg_ptr, sq_ptr, old_ptr, new_ptr, words_p
 
 
 @triton.jit(do_not_specialize=["members"])
-def _adamw_diff_kernel(param_ptr, grad_ptr, avg_ptr, sq_ptr, member_M_ptr, corr_ptr, members: tl.int64,
+def _adamw_diff_kernel(param_ptr, grad_ptr, avg_ptr, sq_ptr, member_M_ptr, power_ptr, members: tl.int64,
                        block_member_ptr, member_end_ptr, old_ptr, new_ptr, words_ptr, count_P_ptr, tile_T_ptr,
                        lr, beta1, beta2, lr_decay, eps, ROWS: tl.constexpr, SUB: tl.constexpr,
                        TILE: tl.constexpr, ASM: tl.constexpr, DECAY: tl.constexpr, MAXIMIZE: tl.constexpr,
@@ -471,8 +471,8 @@ def _adamw_diff_kernel(param_ptr, grad_ptr, avg_ptr, sq_ptr, member_M_ptr, corr_
     step = tl.load(row_m + 4)
     start = tl.multiple_of(tl.load(row_m + 5), ROWS * 32)
     end = tl.load(member_end_ptr + m)
-    step_size = tl.div_rn(lr, tl.load(corr_ptr + step))
-    bias2_sqrt = tl.sqrt_rn(tl.load(corr_ptr + members + step))
+    step_size = tl.div_rn(lr, 1.0 - tl.load(power_ptr + step))  # the bias corrections, as torch's 1 - pow
+    bias2_sqrt = tl.sqrt_rn(1.0 - tl.load(power_ptr + members + step))
     base = pid.to(tl.int64) * (ROWS * 32)
     rel = base - start  # the block's first element within its member's chunk
     params = param_ptr + tl.multiple_of(tl.load(row_m + 0), ALIGN) + rel
@@ -496,13 +496,13 @@ _ADAMW_DIFF = Launch(_adamw_diff_kernel)
 
 
 def adamw_diff_launch(tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], member_M: torch.Tensor,
-                      corrections: torch.Tensor, align: int, hyper: dict, staging: tuple[torch.Tensor, torch.Tensor],
+                      powers: torch.Tensor, align: int, hyper: dict, staging: tuple[torch.Tensor, torch.Tensor],
                       scratch: DiffScratch, chunk_start: torch.Tensor, chunk: int, group, wire_bits: int) -> None:
     """Pass 1 of a packed group's diff fused into its AdamW update (see ``_adamw_diff_kernel``).
 
     ``tensors``: the first member's parameter, gradient and moments (flat chunks); ``member_M``
     (int64, one row of :data:`ADAMW_MEMBER_FIELDS` per member on the device): each member's element
-    offsets from them, its column in ``corrections`` (float32 ``[2, steps]``: ``1 - beta**step``)
+    offsets from them, its column in ``powers`` (float32 ``[2, steps]``: ``beta**step``)
     and its packed start. ``hyper``: lr, betas, weight_decay, eps, maximize. Pass 2 follows with
     :func:`diff_expand_launch` on ``staging`` (new bits None: not staged, pass 2 reads the parameter)."""
     programs, _, block_member, member_end, _ = _diff_tables(group.n, scratch, chunk_start, chunk, group,
@@ -510,7 +510,7 @@ def adamw_diff_launch(tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
     lr, (beta1, beta2), decay = float(hyper["lr"]), hyper["betas"], float(hyper["weight_decay"])
     lr_decay = float(np.float32(lr) * np.float32(decay))  # (lr * wd) in float32, as the fused kernel has it
     stage_new = staging[1] is not None
-    _ADAMW_DIFF((programs,), *tensors, member_M, corrections, corrections.shape[1], block_member, member_end,
+    _ADAMW_DIFF((programs,), *tensors, member_M, powers, powers.shape[1], block_member, member_end,
                 staging[0], staging[1] if stage_new else staging[0], scratch.words, scratch.count_P, scratch.tile_KT[chunk], lr, float(beta1),
                 float(beta2), lr_decay, float(hyper["eps"]), DIFF_ROWS, ADAMW_SUB, DIFF_TILE, not _interpreted(),
                 decay != 0, bool(hyper["maximize"]), wire_bits, align, stage_new, num_warps=ADAMW_WARPS)
