@@ -7,7 +7,10 @@ diff/extract kernel compares them with the new bits and appends the changed (ind
 triples and the chunk's running-checksum change to the sink's buffers, without a host sync
 (:class:`rltune.sync.kernels.ChangeSink`). Small parameters are stepped and diffed together: one
 multi-tensor update and one diff for up to ``max_elements`` elements, not one per tensor (a 0.5 B
-model has ~300 of them). On CPU the same runs through the torch references.
+model has ~300 of them). With torch's fused AdamW on a GPU the copy goes too: the sink steps each
+update itself, with the arithmetic of torch's fused kernel (bit-identical), and finds the changes
+in registers as it writes the new weights; only the changed rows' old and new bits are written
+for the gather that follows. On CPU the same runs through the torch references.
 
 API::
 

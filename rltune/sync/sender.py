@@ -216,7 +216,7 @@ class DeltaPublisher:
         return out
 
     def _prepared(self, chunks: list[tuple[torch.Tensor, int, int]]):
-        """(mine, names, sources, wire dtype, packed group) of an update, or None when it holds none of
+        """(mine, names, sources, wire dtype, packed group, whole) of an update, or None when it holds none of
         this rank's elements; kept in the update's cache while its parameters keep their storage."""
         cache = getattr(chunks, "cache", None)
         ptrs = tuple(p.data_ptr() for p, _, _ in chunks)
@@ -228,7 +228,8 @@ class DeltaPublisher:
                 sources = [p.detach().view(-1)[a:b] for _, p, a, b in mine]
                 group = None if self._sink is None else \
                     self._sink.group([b - a for _, _, a, b in mine], [a for _, _, a, _ in mine])
-                prepared = (mine, [n for n, _, _, _ in mine], sources, self._wire_dtype(mine[0][0]), group)
+                whole = [(a, b) for _, _, a, b in mine] == [(a, b) for _, a, b in chunks]  # no other rank's part
+                prepared = (mine, [n for n, _, _, _ in mine], sources, self._wire_dtype(mine[0][0]), group, whole)
             hit = (ptrs, prepared)
             if cache is not None:
                 cache[self] = hit
@@ -238,7 +239,7 @@ class DeltaPublisher:
         prepared = self._prepared(chunks)
         if prepared is None:
             return
-        mine, _, sources, dtype, group = prepared
+        mine, _, sources, dtype, group, _ = prepared
         if self._sink is None:
             self._update_old = [wire_bits(t, dtype).clone() for t in sources]
             return
@@ -248,7 +249,7 @@ class DeltaPublisher:
         prepared = self._prepared(chunks)
         if prepared is None:
             return
-        mine, names, sources, dtype, group = prepared
+        mine, names, sources, dtype, group, _ = prepared
         if self._sink is not None:  # no host sync: the kernels queue behind the update
             self._sink.append_staged(group, sources, dtype, names)
             return
@@ -268,8 +269,8 @@ class DeltaPublisher:
         prepared = self._prepared(chunks)
         if prepared is None or self._sink is None:
             return False
-        mine, names, _, dtype, group = prepared
-        if [(a, b) for _, _, a, b in mine] != [(a, b) for _, a, b in chunks]:
+        _, names, _, dtype, group, whole = prepared
+        if not whole:
             return False  # part of a chunk is another rank's: staged and diffed after the update
         return self._sink.adamw_append(group, update, dtype, names)
 

@@ -127,7 +127,7 @@ def test_fused_step_of_chunks_at_offsets_and_unaligned_members():
     group = sink.group(sizes, offsets)
     steps = [torch.tensor(0.0, device=DEVICE) for _ in sizes]
     assert sink.adamw_append(group, AdamWUpdate(*lists, steps, HYPER), torch.bfloat16, ["a", "b"])
-    assert [entry[2] for entry in sink._adamw_tables.values()] == [1]  # not every offset is a multiple of 8
+    assert [entry[1][1] for entry in sink._adamw_plans.values()] == [1]  # not every offset is a multiple of 8
     sink.finish()
     got = sink.collect()
     for m, (p, _, _) in enumerate(want):

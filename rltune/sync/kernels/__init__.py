@@ -236,8 +236,8 @@ class ChangeSink:
         if fuse_adamw not in ("auto", True, False):
             raise KernelError(f"ChangeSink fuse_adamw must be 'auto', True or False, got {fuse_adamw!r}")
         self.fuse_adamw = self.triton and (fuse_adamw is True or (fuse_adamw == "auto" and self.device.type == "cuda"))
-        # (id(group), first parameter's address) -> (pointers, member table, alignment, its host copy)
-        self._adamw_tables: dict[tuple[int, int], tuple] = {}
+        # (id(group), first parameter's address, wire dtype) -> (pointers, plan or None[, host rows])
+        self._adamw_plans: dict[tuple, tuple] = {}
         self._event = None
         self._total = 0  # changes of the last collected step
         self.keys: list[Any] = []
@@ -319,54 +319,59 @@ class ChangeSink:
         Returns False, having done nothing, where it cannot (then stage, step and append as usual):
         the sink does not fuse, or the dtypes are not a parameter's own 16-bit wire or float32
         parameters on a bfloat16 or float32 wire."""
-        params = update.params
-        p_dtype = params[0].dtype
-        same = all(t.dtype == p_dtype for lst in (params, update.grads, update.exp_avgs, update.exp_avg_sqs)
-                   for t in lst)
-        wire = {(torch.bfloat16, torch.bfloat16): 16, (torch.float16, torch.float16): 16,
-                (torch.float32, torch.bfloat16): 16, (torch.float32, torch.float32): 32}.get((p_dtype, dtype))
-        if not self.fuse_adamw or not same or wire is None or len(params) != len(group.sizes) \
-                or any(t.numel() != z for t, z in zip(params, group.sizes, strict=True)):
+        if not self.fuse_adamw:
             return False
+        lists = (update.params, update.grads, update.exp_avgs, update.exp_avg_sqs)
+        plan = self._adamw_plan(group, lists, dtype)
+        if plan is None:
+            return False
+        table, align, wire, in_place = plan
         k = len(self.keys)
         if k + len(keys) > self.max_chunks:
             raise KernelError(f"more than max_chunks={self.max_chunks} chunks in one step; count in max_chunks "
                               "every chunk of the step")
-        lists = (params, update.grads, update.exp_avgs, update.exp_avg_sqs)
-        table, align = self._adamw_table(group, lists)
         powers = update.advance()
         old, new = self._buffers(dtype, group.padded)
-        if len(params) == 1 and p_dtype == dtype:
-            new = None  # a lone member on its own wire: pass 2 reads the new bits from the parameter itself
+        new = as_bits(lists[0][0]) if in_place else new
         scratch = self._diff_scratch(group.padded)
         self.keys.extend(keys)
         tk = _triton()
-        tk.adamw_diff_launch(tuple(lst[0] for lst in lists), table, powers, align, update.hyper, (old, new),
-                             scratch, self._start_dev, k, group, wire)
-        tk.diff_expand_launch(old, as_bits(params[0]) if new is None else new, 0, _MASK_OF_BITS[old.dtype], scratch,
-                              self._start_dev, k, (self.idx, self.new, self.old), self.capacity, self._checksum_dev,
-                              group=group)
+        tk.adamw_diff_launch(tuple(lst[0] for lst in lists), table, powers, align, update.hyper,
+                             (old, None if in_place else new), scratch, self._start_dev, k, group, wire)
+        tk.diff_expand_launch(old, new, 0, _MASK_OF_BITS[old.dtype], scratch, self._start_dev, k,
+                              (self.idx, self.new, self.old), self.capacity, self._checksum_dev, group=group)
         return True
 
-    def _adamw_table(self, group: PackedGroup, lists) -> tuple[torch.Tensor, int]:
-        # each member's element offsets from the first member's tensors, its bias-correction column and
-        # packed start; remade when a tensor moves (a gradient freed and allocated again)
+    def _adamw_plan(self, group: PackedGroup, lists, dtype: torch.dtype) -> tuple | None:
+        # (member table, alignment, wire bits, new bits read in place) of an update, or None when it
+        # cannot be fused; kept while its tensors stay where they are (a tensor's dtype and size go
+        # with its storage), remade when one moves (a gradient freed and allocated again)
         ptrs = tuple(t.data_ptr() for lst in lists for t in lst)
-        key = (id(group), ptrs[0])  # updates of equal sizes share a group, not a first parameter
-        hit = self._adamw_tables.get(key)
+        key = (id(group), ptrs[0], dtype)  # updates of equal sizes share a group, not a first parameter
+        hit = self._adamw_plans.get(key)
         if hit is not None and hit[0] == ptrs:
-            return hit[1], hit[2]
-        item = lists[0][0].element_size()
+            return hit[1]
+        params = lists[0]
+        p_dtype = params[0].dtype
+        wire = {(torch.bfloat16, torch.bfloat16): 16, (torch.float16, torch.float16): 16,
+                (torch.float32, torch.bfloat16): 16, (torch.float32, torch.float32): 32}.get((p_dtype, dtype))
+        if wire is None or any(t.dtype != p_dtype for lst in lists for t in lst) or len(params) != len(group.sizes) \
+                or any(t.numel() != z for t, z in zip(params, group.sizes, strict=True)):
+            self._adamw_plans[key] = (ptrs, None)
+            return None
+        item = params[0].element_size()
         rows = [[(lst[m].data_ptr() - lst[0].data_ptr()) // item for lst in lists] + [m, group.starts[m]]
-                for m in range(len(lists[0]))]
+                for m in range(len(params))]
         vector = 16 // item  # elements per 16-byte load: the kernel's loads vectorise when every offset is a multiple
         aligned = all(p % 16 == 0 for p in ptrs) and all(v % vector == 0 for row in rows for v in row[:4])
         rows = torch.tensor(rows, dtype=torch.int64)
         if self.device.type == "cuda":  # a pageable copy would wait for the GPU to drain: pinned, queued
             rows = rows.pin_memory()
-        table = rows.to(self.device, non_blocking=True)
-        self._adamw_tables[key] = (ptrs, table, vector if aligned else 1, rows)
-        return table, vector if aligned else 1
+        # a lone member on its own wire: pass 2 reads the new bits from the parameter itself
+        plan = (rows.to(self.device, non_blocking=True), vector if aligned else 1, wire,
+                len(params) == 1 and p_dtype == dtype)
+        self._adamw_plans[key] = (ptrs, plan, rows)  # the host rows stay until the copy is long done
+        return plan
 
     def append(self, old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int, key: Any) -> None:
         """Record the changes of a chunk holding elements ``[offset, offset + N)`` of the tensor ``key``."""
