@@ -114,7 +114,7 @@ class DeltaPublisher:
         # into device memory, one host sync when the step ends (ChangeSink); "torch": the reference
         # (nonzero and two host syncs per chunk); "auto": Triton when the weights live on a GPU.
         # On the H200 (bench/sync_sender_step.py, 0.5 B model) the torch differ adds 68-121 ms to
-        # the step and the kernels 3.7-8.3 ms, with byte-identical deltas (docs/BENCHMARKS.md).
+        # the step and the kernels 2.3-8.3 ms, with byte-identical deltas (docs/BENCHMARKS.md).
         # change_capacity: with the kernels, the share of this rank's elements one step may change;
         # a step that changes more is published as a full checkpoint.
         if differ not in ("auto", "triton", "torch"):
