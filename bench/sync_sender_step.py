@@ -4,11 +4,12 @@ the Triton diff/extract kernels, on the same model, data and AdamW steps, in one
 Four copies of a ``rltune.workload.model`` preset (random init, bf16, same seed) each have their own
 ``torch.optim.AdamW``; three have a ``DeltaPublisher``: ``differ="torch"``, ``differ="triton"`` (with
 fused AdamW the kernels step each update with the diff inside it) and ``differ="triton"`` with
-``fuse_step=False`` ("staged": a copy before each update, the diff after it). Per step, one backward on a random token batch gives the gradients, copied to
-every copy, whose weights must still be bit-identical (the chunked step is exact); then
+``fuse_step=False`` ("staged": a copy before each update, the diff after it). Per step, one backward
+on a random token batch gives the gradients, copied to every copy, whose weights must still be
+bit-identical (the chunked step is exact); then
 ``publisher.step()`` (the chunked optimizer step with the diff inside it) is timed with CUDA events
 around the host call, all publish, and their delta part files must be byte-identical (the run stops
-otherwise). A plain ``optimizer.step()`` of the third copy is the baseline. Min/median/max over the
+otherwise). A plain ``optimizer.step()`` of the first copy is the baseline. Min/median/max over the
 steps after ``--warmup`` go into the JSON record (device, versions, git SHA).
 
 Usage (one GPU)::

@@ -130,7 +130,8 @@ class AdamWUpdate:
 def _fusable(group: dict) -> bool:
     # the updates torch's fused AdamW kernel computes and the fused step + diff reproduces
     decoupled = group.get("decoupled_weight_decay", False) or group["weight_decay"] == 0
-    return bool(group["fused"]) and not group["amsgrad"] and decoupled and not isinstance(group["lr"], torch.Tensor)
+    scalars = not any(isinstance(x, torch.Tensor) for x in (group["lr"], *group["betas"]))
+    return bool(group["fused"]) and not group["amsgrad"] and decoupled and scalars
 
 
 class Update(list):
@@ -218,8 +219,7 @@ def _step_adam(optimizer: torch.optim.Adam, hook, max_elements: int) -> None:
                     before = split[i][0] if i in split else steps[i].clone()
                     split[i] = (before, before.clone())
                     counts.append(split[i][1])
-            ps, gs = [_flat(params[i], a, b) for i, a, b in update], [_flat(grads[i], a, b) for i, a, b in update]
-            ms, vs = [_flat(exp_avgs[i], a, b) for i, a, b in update], [_flat(exp_avg_sqs[i], a, b) for i, a, b in update]
+            ps, gs, ms, vs = ([_flat(t[i], a, b) for i, a, b in update] for t in (params, grads, exp_avgs, exp_avg_sqs))
             if step_adamw is not None and step_adamw(chunks, AdamWUpdate(ps, gs, ms, vs, counts, hyper)):
                 continue
             if hook is not None:

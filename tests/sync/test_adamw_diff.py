@@ -146,6 +146,9 @@ def test_sink_declines_what_it_cannot_fuse():
     assert not sink.adamw_append(group, AdamWUpdate(*lists, steps, HYPER), torch.float16, ["w"])  # fp16 wire of bf16
     mixed = (lists[0], [g.float() for g in lists[1]], lists[2], lists[3])
     assert not sink.adamw_append(group, AdamWUpdate(*mixed, steps, HYPER), torch.bfloat16, ["w"])
+    strided = (lists[0], [torch.stack([g, g], dim=1)[:, 0] for g in lists[1]], lists[2], lists[3])
+    assert not strided[1][0].is_contiguous()
+    assert not sink.adamw_append(group, AdamWUpdate(*strided, steps, HYPER), torch.bfloat16, ["w"])
     off = K.ChangeSink(64, 64, 2, DEVICE, backend="triton", fuse_adamw=False)
     assert not off.adamw_append(off.group([64], [0]), AdamWUpdate(*lists, steps, HYPER), torch.bfloat16, ["w"])
     assert steps[0].item() == 1.0 and all(torch.equal(a, b) for a, b in zip(lists[0], before, strict=True))

@@ -317,8 +317,8 @@ class ChangeSink:
         are the group's) and record its changes, with pass 1 of the diff inside the update: the old
         values are never staged before it and never read again after it, only the changed rows'.
         Returns False, having done nothing, where it cannot (then stage, step and append as usual):
-        the sink does not fuse, or the dtypes are not a parameter's own 16-bit wire or float32
-        parameters on a bfloat16 or float32 wire."""
+        the sink does not fuse, a tensor is not contiguous on the sink's device, or the dtypes are not
+        a parameter's own 16-bit wire or float32 parameters on a bfloat16 or float32 wire."""
         if not self.fuse_adamw:
             return False
         lists = (update.params, update.grads, update.exp_avgs, update.exp_avg_sqs)
@@ -355,7 +355,10 @@ class ChangeSink:
         p_dtype = params[0].dtype
         wire = {(torch.bfloat16, torch.bfloat16): 16, (torch.float16, torch.float16): 16,
                 (torch.float32, torch.bfloat16): 16, (torch.float32, torch.float32): 32}.get((p_dtype, dtype))
-        if wire is None or any(t.dtype != p_dtype for lst in lists for t in lst) or len(params) != len(group.sizes) \
+        # torch's fused AdamW itself refuses other layouts (its tensors must share dtype, device and strides)
+        laid_out = all(t.dtype == p_dtype and t.device == self.device and t.is_contiguous()
+                       for lst in lists for t in lst)
+        if wire is None or not laid_out or len(params) != len(group.sizes) \
                 or any(t.numel() != z for t, z in zip(params, group.sizes, strict=True)):
             self._adamw_plans[key] = (ptrs, None)
             return None

@@ -510,10 +510,11 @@ def adamw_diff_launch(tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
     lr, (beta1, beta2), decay = float(hyper["lr"]), hyper["betas"], float(hyper["weight_decay"])
     lr_decay = float(np.float32(lr) * np.float32(decay))  # (lr * wd) in float32, as the fused kernel has it
     stage_new = staging[1] is not None
-    _ADAMW_DIFF((programs,), *tensors, member_M, powers, powers.shape[1], block_member, member_end,
-                staging[0], staging[1] if stage_new else staging[0], scratch.words, scratch.count_P, scratch.tile_KT[chunk], lr, float(beta1),
-                float(beta2), lr_decay, float(hyper["eps"]), DIFF_ROWS, ADAMW_SUB, DIFF_TILE, not _interpreted(),
-                decay != 0, bool(hyper["maximize"]), wire_bits, align, stage_new, num_warps=ADAMW_WARPS)
+    _ADAMW_DIFF((programs,), *tensors, member_M, powers, powers.shape[1], block_member, member_end, staging[0],
+                staging[1] if stage_new else staging[0], scratch.words, scratch.count_P, scratch.tile_KT[chunk], lr,
+                float(beta1), float(beta2), lr_decay, float(hyper["eps"]), DIFF_ROWS, ADAMW_SUB, DIFF_TILE,
+                not _interpreted(), decay != 0, bool(hyper["maximize"]), wire_bits, align, stage_new,
+                num_warps=ADAMW_WARPS)
 
 
 # --------------------------------------------------------------------------------------- fused apply
