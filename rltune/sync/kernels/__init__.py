@@ -415,8 +415,11 @@ class ChangeSink:
 
     def collect(self) -> list[ChunkChanges]:
         """Wait for the step's kernels and return each chunk's changes (views; copy before the next step)."""
-        return [ChunkChanges(key, self.idx[a:b], self.new[a:b], self.old[a:b], change)
-                for key, a, b, change in self.collect_spans()]
+        spans = self.collect_spans()
+        sizes = [b - a for _, a, b, _ in spans]  # the chunks follow one another: one split per buffer
+        views = (t[:self._total].split(sizes) for t in (self.idx, self.new, self.old))
+        return [ChunkChanges(key, idx, new, old, change)
+                for (key, _, _, change), idx, new, old in zip(spans, *views, strict=True)]
 
     def collect_spans(self) -> list[tuple[Any, int, int, int]]:
         """As :meth:`collect`, each chunk as ``(key, start, stop, checksum_change)``: its changes are
