@@ -116,6 +116,24 @@ def test_fused_step_and_diff_equal_the_reference(dtype, wire, sizes, changes):
     assert 0 < changed < sum(sizes)  # some elements moved, some did not: both kinds of rows are exercised
 
 
+def test_a_nan_gradient_makes_its_element_nan_and_leaves_the_others_exact():
+    # a NaN's bits are the platform's (the reference's CPU conversion, the interpreter and the GPU's
+    # hardware each write their own): the element must be NaN everywhere, every other one exact
+    lists = _members([300], torch.bfloat16, seed=4)
+    lists[1][0][7] = float("nan")
+    want, _, _ = _expected(lists, [2.0], HYPER, torch.bfloat16)
+    sink = K.ChangeSink(300, 300, 2, DEVICE, backend="triton", fuse_adamw=True)
+    sink.reset()
+    update = AdamWUpdate(*lists, [torch.tensor(2.0, device=DEVICE)], HYPER)
+    assert sink.adamw_append(sink.group([300], [0]), update, torch.bfloat16, ["w"])
+    sink.finish()
+    sink.collect()
+    others = torch.arange(300, device=DEVICE) != 7
+    for got, w in zip((lists[0], lists[2], lists[3]), want[0], strict=True):
+        assert torch.isnan(got[0][7]) and torch.isnan(w[7])
+        assert _bits_equal(got[0][others], w[others])
+
+
 def test_fused_step_of_chunks_at_offsets_and_unaligned_members():
     # members that are slices of larger tensors at odd element offsets: the kernel's loads go unvectorised
     base = _members([9000, 700], torch.bfloat16, seed=9)

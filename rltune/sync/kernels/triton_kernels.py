@@ -381,6 +381,7 @@ def _round_to(x, dtype: tl.constexpr, ASM: tl.constexpr):
     elif dtype == tl.bfloat16 and not ASM:
         bits = x.to(tl.int32, bitcast=True)
         up = bits + 0x7FFF + ((bits >> 16) & 1)  # carries into the upper half when past the half-way point
+        up = tl.where(x != x, 0x7FC00000, up)  # a NaN stays a NaN (the carry could make it infinity)
         return (up >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(dtype)
