@@ -354,19 +354,21 @@ class SparseDelta(Transport):
         self.receiver = None
         self._hook_s = 0.0
         # Time the publisher's diff (the delta's cost inside the optimizer step) by wrapping its hooks
-        # and, with the Triton differ, the step's collection of the changes.
-        for attr in ("_before_update", "_after_update", "_take_sink_changes"):
+        # and, with the Triton differ, the step's collection of the changes. An update the kernels step
+        # themselves (fused AdamW) counts whole: its AdamW and its diff are one kernel.
+        for attr in ("_before_update", "_after_update", "_step_adamw", "_take_sink_changes"):
             setattr(self.publisher, attr, self._timed_hook(getattr(self.publisher, attr)))
 
     def _timed_hook(self, hook: Callable) -> Callable:
         device = self.ctx.trainer_device
 
-        def run(*args) -> None:
+        def run(*args):
             synchronize(device)
             start = time.perf_counter()
-            hook(*args)
+            result = hook(*args)
             synchronize(device)
             self._hook_s += time.perf_counter() - start
+            return result
         return run
 
     def boot(self) -> None:
