@@ -34,7 +34,7 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -75,6 +75,17 @@ class SignSGD(torch.optim.Optimizer):
         if group["weight_decay"]:
             pc.mul_(1 - group["lr"] * group["weight_decay"])
         pc.add_(torch.sign(grad.reshape(-1)[start:stop]), alpha=-group["lr"])
+
+
+class _PreparedUpdate(NamedTuple):
+    """What the publisher derives from an optimizer update's chunks, kept while they keep their storage."""
+
+    mine: list[tuple[str, torch.Tensor, int, int]]  # the chunks clamped to this rank's range
+    names: list[str]
+    sources: list[torch.Tensor]  # the clamped chunks' flat views
+    dtype: torch.dtype  # their wire dtype
+    group: Any  # the sink's packed group (None with the torch differ)
+    whole: bool  # every chunk is all this rank's
 
 
 class DeltaPublisher:
@@ -216,8 +227,8 @@ class DeltaPublisher:
         return out
 
     def _prepared(self, chunks: list[tuple[torch.Tensor, int, int]]):
-        """(mine, names, sources, wire dtype, packed group, whole) of an update, or None when it holds none of
-        this rank's elements; kept in the update's cache while its parameters keep their storage."""
+        """An update's :class:`_PreparedUpdate`, or None when it holds none of this rank's elements; kept in the
+        update's cache while its parameters keep their storage."""
         cache = getattr(chunks, "cache", None)
         ptrs = tuple(p.data_ptr() for p, _, _ in chunks)
         hit = cache.get(self) if cache is not None else None
@@ -229,7 +240,8 @@ class DeltaPublisher:
                 group = None if self._sink is None else \
                     self._sink.group([b - a for _, _, a, b in mine], [a for _, _, a, _ in mine])
                 whole = [(a, b) for _, _, a, b in mine] == [(a, b) for _, a, b in chunks]  # no other rank's part
-                prepared = (mine, [n for n, _, _, _ in mine], sources, self._wire_dtype(mine[0][0]), group, whole)
+                prepared = _PreparedUpdate(mine, [n for n, _, _, _ in mine], sources, self._wire_dtype(mine[0][0]),
+                                           group, whole)
             hit = (ptrs, prepared)
             if cache is not None:
                 cache[self] = hit
@@ -239,22 +251,20 @@ class DeltaPublisher:
         prepared = self._prepared(chunks)
         if prepared is None:
             return
-        mine, _, sources, dtype, group, _ = prepared
         if self._sink is None:
-            self._update_old = [wire_bits(t, dtype).clone() for t in sources]
+            self._update_old = [wire_bits(t, prepared.dtype).clone() for t in prepared.sources]
             return
-        self._sink.stage(group, sources, dtype)
+        self._sink.stage(prepared.group, prepared.sources, prepared.dtype)
 
     def _after_update(self, chunks: list[tuple[torch.Tensor, int, int]]) -> None:
         prepared = self._prepared(chunks)
         if prepared is None:
             return
-        mine, names, sources, dtype, group, _ = prepared
         if self._sink is not None:  # no host sync: the kernels queue behind the update
-            self._sink.append_staged(group, sources, dtype, names)
+            self._sink.append_staged(prepared.group, prepared.sources, prepared.dtype, prepared.names)
             return
-        for (name, _, a, _), source, old in zip(mine, sources, self._update_old, strict=True):
-            new = wire_bits(source, dtype)
+        for (name, _, a, _), source, old in zip(prepared.mine, prepared.sources, self._update_old, strict=True):
+            new = wire_bits(source, prepared.dtype)
             idx, new_changed = diff_ref(old, new)
             if idx.numel():
                 old_changed = old[idx]
@@ -269,10 +279,9 @@ class DeltaPublisher:
         prepared = self._prepared(chunks)
         if prepared is None or self._sink is None:
             return False
-        _, names, _, dtype, group, whole = prepared
-        if not whole:
+        if not prepared.whole:
             return False  # part of a chunk is another rank's: staged and diffed after the update
-        return self._sink.adamw_append(group, update, dtype, names)
+        return self._sink.adamw_append(prepared.group, update, prepared.dtype, prepared.names)
 
     def step(self) -> None:
         """Run one optimizer step in chunks, recording this rank's changes. Replaces ``optimizer.step()``."""

@@ -25,10 +25,10 @@ class Trainer:
 
     def __init__(self, root, interval=3, optimizer="adamw", lr=1e-3, kv_heads=2, tie=False,
                  dtype=torch.bfloat16, wire_dtype=None, chunk_elements=1000, rank=0, world=1, run_id="run-a",
-                 dense_fraction=None, encoder="auto", differ="torch", change_capacity=0.1):
+                 dense_fraction=None, encoder="auto", differ="torch", change_capacity=0.1, fused=None):
         self.model = tiny_qwen3(kv_heads, tie, dtype)
         if optimizer == "adamw":
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01)
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01, fused=fused)
         else:
             self.opt = SignSGD(self.model.parameters(), lr=lr, weight_decay=0.01)
         self.pub = DeltaPublisher(self.model, self.opt, root, interval, rank=rank, world=world, run_id=run_id,

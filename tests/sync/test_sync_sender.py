@@ -242,25 +242,20 @@ def test_triton_differ_publishes_the_reference_bytes(tmp_path, optimizer, dtype,
 @pytest.mark.parametrize(("rank", "world"), [(0, 1), (1, 2)])
 def test_fused_adamw_updates_are_stepped_by_the_kernels_and_their_deltas_verify(tmp_path, rank, world):
     # fused AdamW on CPU weights, the fused step forced on (on CUDA it is on by default): every update
-    # holding only this rank's elements is stepped by the kernels, the others are staged; publish checks the running
-    # checksums the recorded changes give against the live weights, step after step
-    model = tiny_qwen3(2, False, torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01, fused=True)
-    pub = DeltaPublisher(model, opt, tmp_path, 3, rank=rank, world=world, run_id="fused", chunk_elements=1000,
-                         differ="triton", change_capacity=1.0)
+    # holding only this rank's elements is stepped by the kernels, the others are staged; publish
+    # checks the running checksums the recorded changes give against the live weights, step after step
+    tr = Trainer(tmp_path, interval=3, lr=1e-5, rank=rank, world=world, run_id="fused", differ="triton",
+                 change_capacity=1.0, fused=True)
+    pub = tr.pub
     assert not pub._sink.fuse_adamw  # CPU weights: off unless asked for
     pub._sink.fuse_adamw = True
     fused, append, staged, stage = [], pub._sink.adamw_append, [], pub._sink.stage
     pub._sink.adamw_append = lambda *a: fused.append(append(*a)) or fused[-1]
     pub._sink.stage = lambda *a: staged.append(1) or stage(*a)
     pub.publish(0)
-    gen = torch.Generator().manual_seed(1)
     kinds = []
     for step in (1, 2, 3):
-        ids = torch.randint(0, 128, (2, 16), generator=gen)
-        model(input_ids=ids, labels=ids).loss.backward()
-        pub.step()
-        opt.zero_grad()
+        tr.train_step()
         kinds.append(pub.publish(step))
     assert fused and all(fused)
     if world == 1:  # rank 0 writes the manifest

@@ -370,6 +370,7 @@ def diff_expand_launch(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offse
 ADAMW_SUB = 16  # rows of a diff block the fused step handles at once (512 elements, 4 per thread)
 ADAMW_WARPS = 4
 ADAMW_MEMBER_FIELDS = ("param", "grad", "exp_avg", "exp_avg_sq", "step", "start")  # the member table's columns
+ADAMW_MEMBER_COLUMNS = len(ADAMW_MEMBER_FIELDS)
 
 
 @triton.jit
@@ -457,7 +458,7 @@ def _adamw_diff_kernel(param_ptr, grad_ptr, avg_ptr, sq_ptr, member_M_ptr, power
                        block_member_ptr, member_end_ptr, old_ptr, new_ptr, words_ptr, count_P_ptr, tile_T_ptr,
                        lr, beta1, beta2, lr_decay, eps, ROWS: tl.constexpr, SUB: tl.constexpr,
                        TILE: tl.constexpr, ASM: tl.constexpr, DECAY: tl.constexpr, MAXIMIZE: tl.constexpr,
-                       WIRE: tl.constexpr, ALIGN: tl.constexpr, STAGE_NEW: tl.constexpr):
+                       WIRE: tl.constexpr, ALIGN: tl.constexpr, STAGE_NEW: tl.constexpr, COLUMNS: tl.constexpr):
     # One diff block of one member: AdamW as torch's fused CUDA kernel computes it (float32, the
     # same fused multiply-adds, correctly rounded division and square root), then pass 1 of the diff
     # on the old and new wire bits, which never leave registers: each row's change word, the block's
@@ -468,7 +469,7 @@ def _adamw_diff_kernel(param_ptr, grad_ptr, avg_ptr, sq_ptr, member_M_ptr, power
     # member_M[m] from the first member's (any allocation; ALIGN: what every offset is a multiple of).
     pid = tl.program_id(0)
     m = tl.load(block_member_ptr + pid).to(tl.int64)
-    row_m = member_M_ptr + m * 6
+    row_m = member_M_ptr + m * COLUMNS  # the columns of ADAMW_MEMBER_FIELDS
     step = tl.load(row_m + 4)
     start = tl.multiple_of(tl.load(row_m + 5), ROWS * 32)
     end = tl.load(member_end_ptr + m)
@@ -515,7 +516,7 @@ def adamw_diff_launch(tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
                 staging[1] if stage_new else staging[0], scratch.words, scratch.count_P, scratch.tile_KT[chunk], lr,
                 float(beta1), float(beta2), lr_decay, float(hyper["eps"]), DIFF_ROWS, ADAMW_SUB, DIFF_TILE,
                 not _interpreted(), decay != 0, bool(hyper["maximize"]), wire_bits, align, stage_new,
-                num_warps=ADAMW_WARPS)
+                ADAMW_MEMBER_COLUMNS, num_warps=ADAMW_WARPS)
 
 
 # --------------------------------------------------------------------------------------- fused apply
