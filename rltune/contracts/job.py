@@ -91,8 +91,9 @@ class MetricsSpec:
 
 @dataclass
 class Limits:
-    noise_pct: float = field(4.0, doc="run-to-run noise of step time in %; a trial must beat the baseline by more", min=0)
-    recheck_below_pct: float | None = field(None, doc="a gain smaller than this is measured again before deciding (default 2 x noise)", min=0)
+    noise_pct: float = field(4.0, doc="floor of the noise in %: a trial must beat the baseline by more than this and than the baseline's measured spread", min=0)
+    recheck_below_pct: float | None = field(None, doc="a gain smaller than this is measured again before deciding (default 2 x the noise)", min=0)
+    baseline_runs: int = field(2, doc="runs of the untuned baseline in 'rltune auto'; the range of their mean steps is the measured run-to-run noise", min=1, max=10)
     gap_ratio_max: float = field(2.0, doc="trainer-rollout gap may grow to this multiple of the untuned baseline's", min=1)
     sample_age_mean_max: float = field(3.0, doc="cap on the mean sample age, in weight versions", min=0)
     sample_age_max: int = field(8, doc="no sample may be older than this many weight versions", min=0)

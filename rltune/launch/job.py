@@ -1,11 +1,15 @@
-"""Launch one job from its job.yaml with abstract-knob overrides: the argv, the run, the resolved job.
+"""Launch one job from its job.yaml: the argv, the run, the resolved job.
 
-:func:`run_job` fills ``{run_dir}`` and ``{steps}`` into ``launch.command``, appends the step-count
-override and every knob override, translated through ``launch.knob_map`` and spelled in
-``launch.dialect``, wraps the argv in the launcher, writes the resolved job.yaml (knobs with the
-overrides applied, absolute working directory) into the run directory, and runs the job there in
-its own process group (see :mod:`rltune.launch.process`). A crash is not an exception here: it comes
-back as a non-zero :attr:`LaunchResult.returncode`; callers decide.
+What runs is the job's knobs: :func:`run_job` fills ``{run_dir}`` and ``{steps}`` into
+``launch.command``, appends the step-count override (``limits.steps`` unless a step count is
+given) and *every* mapped knob of the job -- its ``knobs:`` with the overrides applied --
+translated through ``launch.knob_map`` and spelled in ``launch.dialect``. A tuned or hand-edited
+preset therefore reproduces its run, and the resolved job.yaml written into the run directory
+(knobs as run, steps set, absolute working directory) says exactly what ran. A knob without a
+``knob_map`` entry only describes the job; overriding it to another value is an error. The argv
+is wrapped in the launcher and run in its own process group (see :mod:`rltune.launch.process`). A
+crash is not an exception here: it comes back as a non-zero :attr:`LaunchResult.returncode`;
+callers decide.
 """
 
 from __future__ import annotations
@@ -57,27 +61,37 @@ def _fill(text: str, run_dir: Path, steps: int) -> str:
     return text.replace("{run_dir}", str(run_dir)).replace("{steps}", str(steps))
 
 
+def run_knobs(job: JobSpec, overrides: Mapping[str, KnobValue] | None = None) -> dict[str, KnobValue]:
+    """The knob values a run uses: the job's ``knobs`` with ``overrides`` applied."""
+    return {**job.knobs, **dict(overrides or {})}
+
+
+def run_steps(job: JobSpec, steps: int | None = None) -> int:
+    """The step count of a run: ``steps`` if given, else the job's ``limits.steps``."""
+    return int(steps if steps is not None else job.limits.steps)
+
+
 def resolve_overrides(job: JobSpec, job_path: Path, overrides: Mapping[str, KnobValue] | None,
                       steps: int | None) -> dict[str, KnobValue]:
-    """The job's own override keys and values: step count first, then knobs in the order given."""
+    """The job's own override keys and values: the step count first, then every mapped knob as it runs."""
     resolved: dict[str, KnobValue] = {}
-    if steps is not None and job.launch.steps_override:
-        resolved[job.launch.steps_override] = int(steps)
-    for knob, value in (overrides or {}).items():
+    if job.launch.steps_override:
+        resolved[job.launch.steps_override] = run_steps(job, steps)
+    for knob, value in run_knobs(job, overrides).items():
         key = job.launch.knob_map.get(knob)
-        if key is None:
+        if key is not None:
+            resolved[key] = value
+        elif knob not in job.knobs or job.knobs[knob] != value:
             known = ", ".join(sorted(job.launch.knob_map)) or "none"
             raise UnmappedKnobError(f"{job_path}: launch.knob_map: no entry for knob {knob!r} (mapped: {known}); "
                                     f"add '{knob}: <the job's config key>' under launch.knob_map")
-        resolved[key] = value
     return resolved
 
 
 def build_argv(job: JobSpec, job_path: Path, run_dir: Path, overrides: Mapping[str, KnobValue] | None = None,
                steps: int | None = None) -> list[str]:
     """The complete argv :func:`run_job` would start (launcher included)."""
-    n_steps = int(steps if steps is not None else job.limits.steps)
-    command = [_fill(part, run_dir, n_steps) for part in job.launch.command]
+    command = [_fill(part, run_dir, run_steps(job, steps)) for part in job.launch.command]
     command += render_overrides(job.launch.dialect, resolve_overrides(job, job_path, overrides, steps))
     return launcher_argv(job.launch.launcher, command, nproc_per_node=job.launch.nproc_per_node,
                          slurm_args=list(job.launch.slurm_args))
@@ -87,17 +101,26 @@ def resolved_job(job: JobSpec, job_path: Path, overrides: Mapping[str, KnobValue
                  steps: int | None = None) -> JobSpec:
     """A copy of ``job`` as it runs: knobs with the overrides applied, steps set, absolute workdir."""
     out = copy.deepcopy(job)
-    out.knobs.update(dict(overrides or {}))
+    out.knobs = run_knobs(job, overrides)
     out.launch.workdir = str(workdir_of(job, job_path))
-    if steps is not None:
-        out.limits.steps = int(steps)
-        if out.limits.warmup_steps >= out.limits.steps:
-            out.limits.warmup_steps = max(0, out.limits.steps - 1)
+    out.limits.steps = run_steps(job, steps)
+    out.limits.warmup_steps = warmup_steps(job.limits.warmup_steps, out.limits.steps)
     return out
+
+
+def warmup_steps(configured: int, steps: int) -> int:
+    """The warm-up steps of a run of ``steps`` steps: the job's, but always leaving one step measured."""
+    return max(0, min(int(configured), int(steps) - 1))
 
 
 def workdir_of(job: JobSpec, job_path: Path) -> Path:
     return (Path(job_path).resolve().parent / job.launch.workdir).resolve()
+
+
+def metrics_path_of(job: JobSpec, job_path: Path, run_dir: Path) -> Path:
+    """Where a run in ``run_dir`` writes its metrics: ``metrics.path`` filled in, relative to the workdir."""
+    path = Path(job.metrics.path.replace("{run_dir}", str(Path(run_dir).resolve())))
+    return path if path.is_absolute() else workdir_of(job, job_path) / path
 
 
 def _child_env(job: JobSpec) -> dict[str, str]:
