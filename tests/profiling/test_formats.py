@@ -99,6 +99,11 @@ def test_trl_profiling_metrics_give_stage_times_and_the_summary_is_skipped():
     assert report.skipped == {"end-of-training summary, not a step": 1}
 
 
+def test_a_nan_printed_in_a_dict_line_is_counted():
+    out, report = rows(HAND / "slime.log")
+    assert any("1 value printed as nan (e.g. step 1 'perf/tokens_per_gpu_per_sec')" in n for n in report.notes)
+
+
 # --- bad input ---------------------------------------------------------------------------------
 
 def test_a_log_with_no_recognisable_step_is_an_error_naming_the_formats(tmp_path):
