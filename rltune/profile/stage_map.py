@@ -17,6 +17,10 @@ Choices that need a reason:
   which run one after another in that trainer (the report marks the column as derived).
 - prime-rl's orchestrator step is rollout-bound: its console ``Time`` is the step, and the
   ``Generating rollouts`` bar's elapsed time is the rollout.
+- current verl times the weight hand-over after the update (``timing_s/update_weights``; the
+  one-step-off trainer ``timing_s/sync_rollout_weights``), not inside ``timing_s/gen``; the rollout
+  rule subtracts ``timing_s/reshard`` only where the log has it. ``timing_s/generate_sequences`` and
+  ``timing_s/agent_loop/*`` are per-sample figures inside ``timing_s/gen``, kept as extras.
 
 :func:`describe_stage_map` renders the table for docs/artifacts.md.
 """
@@ -36,11 +40,13 @@ STAGE_MAP: dict[str, dict[str, tuple[str, ...]]] = {
         "step_s": ("timing_s/step", "timing/step", "perf/time_per_step", "time_per_step", "sum(timing/)",
                    "progress/step_s"),
         "rollout_s": ("timing_s/gen - timing_s/reshard + timing_s/reward", "timing/gen + timing/reward"),
-        "weight_sync_s": ("timing_s/reshard", "timing_s/update_weights", "timing_s/sync_weights"),
+        "weight_sync_s": ("timing_s/reshard", "timing_s/update_weights", "timing_s/sync_rollout_weights",
+                          "timing_s/sync_weights"),
         "old_logprob_s": ("timing_s/old_log_prob + timing_s/ref", "timing_s/ref",
                           "timing/old_log_prob + timing/ref", "timing/ref"),
         "training_s": ("timing_s/update_actor + timing_s/update_critic + timing_s/values + timing_s/adv",
                        "timing/update_actor + timing/update_critic + timing/values + timing/adv"),
+        "wait_s": ("timing_s/wait_for_enough_samples",),
         "reward": ("critic/score/mean", "critic/rewards/mean"),
     },
     "prime-rl": {

@@ -99,6 +99,37 @@ def test_trl_profiling_metrics_give_stage_times_and_the_summary_is_skipped():
     assert report.skipped == {"end-of-training summary, not a step": 1}
 
 
+def test_verl_numpy2_reprs_wrapped_and_one_key_per_line_records():
+    """Records as verl's console logger prints them under numpy 2, one wrapped by a terminal at 120
+    columns, one printed one key per line, a NaN step timer, an unreadable value and a cut last record."""
+    out, report = rows(HAND / "verl_numpy2_console.log")
+    assert report.format == "verl"
+    assert [r["step"] for r in out] == [1, 2, 3, 4]
+    assert [r["step_s"] for r in out] == [118.0, 114.75, 114.5, None]  # step 4 logged nan: reported, null
+    assert [r["rollout_s"] for r in out] == [40.25 + 0.75, 38.5 + 0.5, 39.0 + 0.5, 37.0 + 0.5]
+    assert [r["weight_sync_s"] for r in out] == [2.25, 2.0, 2.5, 2.0]  # timing_s/update_weights
+    assert out[1]["training_s"] == pytest.approx(54.5 + 0.25)
+    assert out[1]["perf/throughput"] == 1220.4159109515201  # np.float64(...) read
+    assert out[2]["training/global_step"] == 3.0  # np.int64(3), on a line of its own
+    assert out[3]["actor/lr"] is None and out[0]["actor/lr"] == 1e-06
+    assert report.skipped == {"truncated or malformed 'key:value' pair": 1}
+    assert any("continuation lines joined" in n for n in report.notes)
+    assert any("'actor/lr': '<unavailable>'" in n for n in report.notes)
+    assert any(n.startswith("step_s is nan in the log at 1 step (e.g. step 4") for n in report.notes)
+
+
+def test_verl_file_logger_as_orjson_writes_it_null_timings_and_a_cut_line_are_counted():
+    out, report = rows(HAND / "verl_file_logger_orjson.jsonl")
+    assert report.format == "verl"
+    assert [r["step_s"] for r in out] == [118.0, 114.75]
+    assert [r["weight_sync_s"] for r in out] == [2.25, None]
+    assert out[1]["actor/grad_norm"] is None
+    assert report.skipped == {"step with no timing keys (validation-only record)": 1,
+                              "truncated or malformed file-logger JSON line": 1}
+    assert any("1 timing value is null in the file logger (e.g. step 2 'timing_s/update_weights'" in n
+               for n in report.notes)
+
+
 def test_a_nan_printed_in_a_dict_line_is_counted():
     out, report = rows(HAND / "slime.log")
     assert any("1 value printed as nan (e.g. step 1 'perf/tokens_per_gpu_per_sec')" in n for n in report.notes)
@@ -147,6 +178,14 @@ def test_a_truncated_json_line_is_skipped_and_counted(tmp_path):
     path.write_text((HAND / "rltune_metrics.jsonl").read_text() + '{"step": 3, "step_s": 2.')
     table, report = stage_table_from_logs(path)
     assert table.num_rows == 3 and report.skipped == {"truncated or malformed JSON line": 1}
+
+
+def test_a_log_whose_every_timing_line_is_unreadable_is_an_error_with_the_counts(tmp_path):
+    text = (HAND / "verl_middle_generation.log").read_text()
+    path = tmp_path / "cut.log"
+    path.write_text("".join(line[:line.index("update_actor") + 6] + "\n" for line in text.splitlines()))
+    with pytest.raises(LogFormatError, match=r"no recognisable verl step.*skipped 2 lines: truncated"):
+        stage_table_from_logs(path)
 
 
 def test_missing_path_and_unknown_format_are_clear_errors(tmp_path):

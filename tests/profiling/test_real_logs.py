@@ -1,7 +1,8 @@
 """Every public log sample parses into a stage table whose step times are the log's own values.
 
-Samples are copies of shared/data/real-logs (long ones cut to their first steps). Expected values
-are read from the raw text here with independent regexes, so a parser bug cannot hide in both.
+Samples are copies of shared/data/real-logs (long ones cut to their first steps) and excerpts of
+public logs (data/README.md says where each comes from). Expected values are read from the raw
+text here with independent regexes, so a parser bug cannot hide in both.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def test_verl_current_generation_step_times_and_stages_are_the_logs_own():
     assert row["training_s"] == pytest.approx(140.568 + 0.215)
     assert row["perf/mfu/actor"] == 0.277 and row["timing_s/generate_sequences"] == 59.778
     assert report.skipped == {"step with no timing keys (validation-only line)": 1}
+    testing = [int(s) for s in re.findall(r"step:(\d+) - [^\n]*timing_s/testing:", text)]
+    assert testing == [5, 10]
+    assert any(f"(timing_s/testing) at step {testing[0]}, {testing[1]}:" in n for n in report.notes)
 
 
 def test_verl_oldest_generation_has_no_step_timer_so_step_is_the_sum_of_its_phases():
@@ -144,3 +148,13 @@ def test_auto_picks_the_right_parser_and_matches_the_explicit_format(name, fmt):
     assert report.format == fmt
     explicit, _ = stage_table_from_logs(DATA / name, format=fmt)
     assert explicit.equals(auto)
+
+
+# Lines that carry a timing key, found with patterns of their own (not the adapters').
+_TIMING_LINE = {
+    "verl": re.compile(r"timing(?:_s)?/\w+:"),
+    "prime-rl": re.compile(r"\bTime: "),
+    "skyrl": re.compile(r"time cost: "),
+    "nemo-rl": re.compile(r"• [\w/ ]+: [\d.]+s"),
+    "ms-swift": re.compile(r'"step_time"|"elapsed_time"'),
+}
