@@ -21,6 +21,11 @@ Choices that need a reason:
   one-step-off trainer ``timing_s/sync_rollout_weights``), not inside ``timing_s/gen``; the rollout
   rule subtracts ``timing_s/reshard`` only where the log has it. ``timing_s/generate_sequences`` and
   ``timing_s/agent_loop/*`` are per-sample figures inside ``timing_s/gen``, kept as extras.
+- NeMo-RL's asynchronous GRPO logs ``exposed_generation``: the trainer's wait for the replay
+  buffer while generation runs alongside. It fills ``wait_s``, never ``rollout_s``; such a log has
+  no rollout time. ``prepare_for_generation/total`` already contains
+  ``prepare_for_generation/transfer_and_update_weights``, and ``policy_and_reference_logprobs``
+  contains ``policy_logprobs`` / ``reference_logprobs``: only the outer timers are summed.
 
 :func:`describe_stage_map` renders the table for docs/artifacts.md.
 """
@@ -89,10 +94,13 @@ STAGE_MAP: dict[str, dict[str, tuple[str, ...]]] = {
     "nemo-rl": {
         "step_s": ("timing/total_step_time",),
         "rollout_s": ("timing/generation + timing/reward_calculation",),
-        "weight_sync_s": ("timing/prepare_for_generation", "timing/refit"),
-        "old_logprob_s": ("timing/policy_and_reference_logprobs",),
+        "wait_s": ("timing/exposed_generation",),
+        "weight_sync_s": ("timing/weight_sync", "timing/prepare_for_generation/total",
+                          "timing/prepare_for_generation", "timing/refit"),
+        "old_logprob_s": ("timing/policy_and_reference_logprobs + timing/logprob_inference_prep",),
         "training_s": ("timing/policy_training + timing/training_prep",),
-        "reward": ("Avg Reward",),
+        "reward": ("Avg Reward", "Avg Total Reward"),
+        "sample_age_mean": ("Avg Trajectory Age",),
     },
     "vllm": {
         "engine_queue_s": ("vllm:request_queue_time_seconds/mean",),

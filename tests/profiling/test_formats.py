@@ -130,6 +130,17 @@ def test_verl_file_logger_as_orjson_writes_it_null_timings_and_a_cut_line_are_co
                for n in report.notes)
 
 
+def test_nemo_rl_sync_grpo_weight_sync_is_the_outer_prepare_for_generation_timer():
+    out, report = rows(HAND / "nemo_rl_sync_grpo.log")
+    assert report.format == "nemo-rl"
+    assert [(r["step"], r["step_s"]) for r in out] == [(1, 41.25), (2, 34.0)]
+    assert [r["weight_sync_s"] for r in out] == [2.5, 2.25]  # not + transfer_and_update_weights (inside it)
+    assert [r["rollout_s"] for r in out] == [10.75 + 0.25, 10.25 + 0.25]
+    assert out[0]["old_logprob_s"] == 4.0 + 1.0 and out[0]["wait_s"] is None
+    assert out[0]["E2E (Samples/sec/gpu)"] == 3.10  # a '-' sub-bullet: a label, never a timing
+    assert not any(k.startswith("timing/e2e") for k in out[0])
+
+
 def test_a_nan_printed_in_a_dict_line_is_counted():
     out, report = rows(HAND / "slime.log")
     assert any("1 value printed as nan (e.g. step 1 'perf/tokens_per_gpu_per_sec')" in n for n in report.notes)

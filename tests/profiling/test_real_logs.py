@@ -142,12 +142,32 @@ def test_prime_rl_bench_results_give_one_row_per_successful_benchmark():
     ("trl_grpo_console_memgen_pr33.log", "trl"),
     ("vllm_metrics_endpoint_excerpt_design_doc.prom", "vllm"),
     ("prime-rl-bench", "prime-rl"),
+    ("nemo_rl_async_grpo_timing_pr1052.log", "nemo-rl"),
 ])
 def test_auto_picks_the_right_parser_and_matches_the_explicit_format(name, fmt):
     auto, report = stage_table_from_logs(DATA / name)
     assert report.format == fmt
     explicit, _ = stage_table_from_logs(DATA / name, format=fmt)
     assert explicit.equals(auto)
+
+
+def test_nemo_rl_async_timing_block_maps_exposed_generation_to_the_wait_not_the_rollout():
+    """NVIDIA-NeMo/RL#1052: an async-GRPO block pasted without its 'Step N/M' header."""
+    path = DATA / "nemo_rl_async_grpo_timing_pr1052.log"
+    timing = {k: float(v) for k, v in re.findall(r"• ([\w/ ]+): ([\d.]+)s", path.read_text())}
+    table, report = stage_table_from_logs(path)
+    assert report.format == "nemo-rl"
+    row = table.to_pylist()[0]
+    assert row["step"] == 1 and any("without a 'Step N/M' header" in n for n in report.notes)
+    assert row["step_s"] == timing["Total step time"] == 66.55
+    assert row["wait_s"] == timing["exposed_generation"] == 32.52
+    assert row["rollout_s"] is None
+    assert row["training_s"] == pytest.approx(timing["policy_training"] + timing["training_prep"])
+    assert row["old_logprob_s"] == pytest.approx(timing["policy_and_reference_logprobs"]
+                                                 + timing["logprob_inference_prep"])
+    assert row["weight_sync_s"] == timing["weight_sync"] == 0.13
+    assert row["timing/buffer_sampling"] == 1.38
+    assert (row["reward"], row["sample_age_mean"]) == (0.3486, 1.0)
 
 
 # Lines that carry a timing key, found with patterns of their own (not the adapters').
