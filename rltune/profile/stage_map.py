@@ -26,6 +26,10 @@ Choices that need a reason:
   no rollout time. ``prepare_for_generation/total`` already contains
   ``prepare_for_generation/transfer_and_update_weights``, and ``policy_and_reference_logprobs``
   contains ``policy_logprobs`` / ``reference_logprobs``: only the outer timers are summed.
+- SkyRL: ``timer/<name>`` come from its ``Finished: '<name>', time cost: Xs`` lines,
+  ``timing/<name>`` from its tracker dict (the same timers). ``fwd_logprobs_values_reward`` (old
+  and reference log-probs, critic values, reward-model scores) is the separate forward pass; the
+  update is ``train_critic_and_policy`` (it contains ``policy_train`` and ``critic_train``).
 
 :func:`describe_stage_map` renders the table for docs/artifacts.md.
 """
@@ -101,6 +105,17 @@ STAGE_MAP: dict[str, dict[str, tuple[str, ...]]] = {
         "training_s": ("timing/policy_training + timing/training_prep",),
         "reward": ("Avg Reward", "Avg Total Reward"),
         "sample_age_mean": ("Avg Trajectory Age",),
+    },
+    "skyrl": {
+        "step_s": ("timing/step", "timer/step"),
+        "rollout_s": ("timing/generate + timing/postprocess_generator_output",
+                      "timer/generate + timer/postprocess_generator_output"),
+        "old_logprob_s": ("timing/fwd_logprobs_values_reward", "timer/fwd_logprobs_values_reward"),
+        "training_s": ("timing/train_critic_and_policy + timing/compute_advantages_and_returns",
+                       "timer/train_critic_and_policy + timer/compute_advantages_and_returns",
+                       "timer/policy_train + timer/critic_train"),
+        "weight_sync_s": ("timing/sync_weights", "timer/sync_weights"),
+        "reward": ("reward/avg_raw_reward", "avg_final_rewards"),
     },
     "vllm": {
         "engine_queue_s": ("vllm:request_queue_time_seconds/mean",),

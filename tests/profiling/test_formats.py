@@ -141,6 +141,19 @@ def test_nemo_rl_sync_grpo_weight_sync_is_the_outer_prepare_for_generation_timer
     assert not any(k.startswith("timing/e2e") for k in out[0])
 
 
+def test_skyrl_console_tracker_dict_sums_repeated_timers_and_keeps_timers_outside_steps_apart():
+    out, report = rows(HAND / "skyrl_console_tracker.log")
+    assert report.format == "skyrl"
+    assert len(out) == 1 and out[0]["step"] == 1
+    row = out[0]
+    assert row["timer/generate"] == 60.25 + 20.25 == row["timing/generate"]  # dynamic sampling ran it twice
+    assert (row["step_s"], row["rollout_s"], row["old_logprob_s"]) == (184.25, 80.5 + 0.25, 30.0)
+    assert (row["training_s"], row["weight_sync_s"]) == (70.0 + 0.5, 3.0)
+    assert row["timer/eval"] == 30.0  # after the step, logged with it by SkyRL's tracker
+    assert any("2 timer lines before the first step" in n for n in report.notes)
+    assert report.skipped == {}
+
+
 def test_a_nan_printed_in_a_dict_line_is_counted():
     out, report = rows(HAND / "slime.log")
     assert any("1 value printed as nan (e.g. step 1 'perf/tokens_per_gpu_per_sec')" in n for n in report.notes)

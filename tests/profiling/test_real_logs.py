@@ -142,6 +142,7 @@ def test_prime_rl_bench_results_give_one_row_per_successful_benchmark():
     ("trl_grpo_console_memgen_pr33.log", "trl"),
     ("vllm_metrics_endpoint_excerpt_design_doc.prom", "vllm"),
     ("prime-rl-bench", "prime-rl"),
+    ("skyrl_gsm8k_timers_yottalabs_docs.log", "skyrl"),
     ("nemo_rl_async_grpo_timing_pr1052.log", "nemo-rl"),
 ])
 def test_auto_picks_the_right_parser_and_matches_the_explicit_format(name, fmt):
@@ -149,6 +150,28 @@ def test_auto_picks_the_right_parser_and_matches_the_explicit_format(name, fmt):
     assert report.format == fmt
     explicit, _ = stage_table_from_logs(DATA / name, format=fmt)
     assert explicit.equals(auto)
+
+
+def test_skyrl_timer_lines_give_the_step_and_its_stages():
+    """yottalabsai/docs tutorials/page-1.md: the log starts inside step 1 (after its generation)."""
+    path = DATA / "skyrl_gsm8k_timers_yottalabs_docs.log"
+    text = path.read_text()
+    step1 = dict(re.findall(r"Finished: '(\w+)', time cost: ([\d.]+)s", text.split("Finished: 'step'")[0]))
+    table, report = stage_table_from_logs(path)
+    assert report.format == "skyrl"
+    row = table.to_pylist()
+    assert [r["step"] for r in row] == [1]  # from the 'Training Batches Processed ... 1/7' bar
+    row = row[0]
+    assert row["step_s"] == 1331.13
+    assert row["old_logprob_s"] == float(step1["fwd_logprobs_values_reward"]) == 377.36
+    assert row["training_s"] == pytest.approx(float(step1["train_critic_and_policy"])
+                                              + float(step1["compute_advantages_and_returns"]))
+    assert row["weight_sync_s"] == float(step1["sync_weights"]) == 7.04
+    assert row["rollout_s"] is None  # step 1's 'generate' lies before the excerpt
+    assert row["timer/policy_train"] == 866.49 and row["policy_loss"] == -0.0001400031556840986
+    assert row["reward"] == 0.13398437201976776
+    # step 2 is cut after its generation: its two timer lines are counted, not silently lost
+    assert report.skipped == {"timer lines of a step the log ends inside (no \"Finished: 'step'\")": 2}
 
 
 def test_nemo_rl_async_timing_block_maps_exposed_generation_to_the_wait_not_the_rollout():
