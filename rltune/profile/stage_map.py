@@ -30,6 +30,10 @@ Choices that need a reason:
   ``timing/<name>`` from its tracker dict (the same timers). ``fwd_logprobs_values_reward`` (old
   and reference log-probs, critic values, reward-model scores) is the separate forward pass; the
   update is ``train_critic_and_policy`` (it contains ``policy_train`` and ``critic_train``).
+- ms-swift's ``logging.jsonl`` has no stage timers. Its GRPO rows carry TRL's ``step_time``: the
+  sum of the optimizer step's ``training_step`` calls (generation, forward, backward); the
+  optimizer update and logging fall outside it. Without ``step_time`` the step is derived from
+  ``elapsed_time`` (whole seconds) between logged rows (``elapsed/step_s``, marked derived).
 
 :func:`describe_stage_map` renders the table for docs/artifacts.md.
 """
@@ -116,6 +120,10 @@ STAGE_MAP: dict[str, dict[str, tuple[str, ...]]] = {
                        "timer/policy_train + timer/critic_train"),
         "weight_sync_s": ("timing/sync_weights", "timer/sync_weights"),
         "reward": ("reward/avg_raw_reward", "avg_final_rewards"),
+    },
+    "ms-swift": {
+        "step_s": ("iteration_time_s", "step_time", "elapsed/step_s"),
+        "reward": ("reward",),
     },
     "vllm": {
         "engine_queue_s": ("vllm:request_queue_time_seconds/mean",),

@@ -144,6 +144,8 @@ def test_prime_rl_bench_results_give_one_row_per_successful_benchmark():
     ("prime-rl-bench", "prime-rl"),
     ("skyrl_gsm8k_timers_yottalabs_docs.log", "skyrl"),
     ("nemo_rl_async_grpo_timing_pr1052.log", "nemo-rl"),
+    ("ms_swift_grpo_logging_issue9261.jsonl", "ms-swift"),
+    ("ms_swift_sft_logging_onevl_issue6.jsonl", "ms-swift"),
 ])
 def test_auto_picks_the_right_parser_and_matches_the_explicit_format(name, fmt):
     auto, report = stage_table_from_logs(DATA / name)
@@ -191,6 +193,38 @@ def test_nemo_rl_async_timing_block_maps_exposed_generation_to_the_wait_not_the_
     assert row["weight_sync_s"] == timing["weight_sync"] == 0.13
     assert row["timing/buffer_sampling"] == 1.38
     assert (row["reward"], row["sample_age_mean"]) == (0.3486, 1.0)
+
+
+def test_ms_swift_grpo_logging_jsonl_step_time_is_the_step():
+    """modelscope/ms-swift#9261: two logging.jsonl rows; step 2 trains without generating."""
+    path = DATA / "ms_swift_grpo_logging_issue9261.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    table, report = stage_table_from_logs(path)
+    assert report.format == "ms-swift"
+    assert column(table, "step") == [int(r["global_step/max_steps"].split("/")[0]) for r in rows] == [1, 2]
+    assert column(table, "step_s") == [r["step_time"] for r in rows] == [17.67188024, 1.57797493]
+    assert column(table, "reward") == [0.0, None]
+    assert column(table, "elapsed_s") == [36.0, 39.0]
+    assert column(table, "rollout_s") == [None, None] and report.derived["step_s"] == "step_time"
+    assert any("no stage timers" in n for n in report.notes)
+
+
+def test_ms_swift_log_without_step_time_derives_it_from_elapsed_time():
+    """xiaomi-research/onevl#6: logging.jsonl rows every 5 steps, elapsed_time in whole seconds."""
+    path = DATA / "ms_swift_sft_logging_onevl_issue6.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+
+    def seconds(text):
+        return sum(int(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in re.findall(r"(\d+)([hms])", text))
+
+    elapsed = [seconds(r["elapsed_time"]) for r in rows]
+    steps = [int(r["global_step/max_steps"].split("/")[0]) for r in rows]
+    expected = [None] + [(elapsed[i] - elapsed[i - 1]) / (steps[i] - steps[i - 1]) for i in range(1, len(rows))]
+    table, report = stage_table_from_logs(path)
+    assert column(table, "step") == steps == [1665, 1670, 1675, 1680]
+    assert column(table, "step_s") == expected == [None, 15.4, 14.0, 15.4]
+    assert report.derived["step_s"] == "elapsed/step_s"
+    assert any("derived from elapsed_time" in n for n in report.notes)
 
 
 # Lines that carry a timing key, found with patterns of their own (not the adapters').

@@ -11,6 +11,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from rltune.profile.adapters import (
+    ms_swift,
     nemo_rl,
     openrlhf,
     prime_rl,
@@ -24,7 +25,7 @@ from rltune.profile.adapters import (
 
 ADAPTERS: dict[str, ModuleType] = {
     module.NAME: module
-    for module in (rltune_jsonl, verl, prime_rl, slime, openrlhf, trl, nemo_rl, skyrl, vllm)
+    for module in (rltune_jsonl, verl, prime_rl, slime, openrlhf, trl, nemo_rl, skyrl, ms_swift, vllm)
 }
 
 __all__ = ["ADAPTERS"]
