@@ -34,6 +34,9 @@ Choices that need a reason:
   sum of the optimizer step's ``training_step`` calls (generation, forward, backward); the
   optimizer update and logging fall outside it. Without ``step_time`` the step is derived from
   ``elapsed_time`` (whole seconds) between logged rows (``elapsed/step_s``, marked derived).
+- AReaL's trainer runs its ``timeperf/*`` phases one after another and has no step timer: the step
+  is their sum (marked derived). ``timeperf/rollout`` is the trainer's wait in ``prepare_batch``
+  for a full batch, the rollout stage as the trainer sees it.
 
 :func:`describe_stage_map` renders the table for docs/artifacts.md.
 """
@@ -124,6 +127,16 @@ STAGE_MAP: dict[str, dict[str, tuple[str, ...]]] = {
     "ms-swift": {
         "step_s": ("iteration_time_s", "step_time", "elapsed/step_s"),
         "reward": ("reward",),
+    },
+    "areal": {
+        "step_s": ("sum(timeperf/)",),
+        "rollout_s": ("timeperf/rollout",),
+        "old_logprob_s": ("timeperf/recompute_logp + timeperf/ref_logp + timeperf/teacher_logp",
+                          "timeperf/ref_logp + timeperf/teacher_logp"),
+        "training_s": ("timeperf/train_step + timeperf/critic_train_step + timeperf/critic_values"
+                       " + timeperf/compute_advantage",),
+        "weight_sync_s": ("timeperf/update_weights",),
+        "reward": ("ppo_actor/task_reward/avg", "rollout/reward"),
     },
     "vllm": {
         "engine_queue_s": ("vllm:request_queue_time_seconds/mean",),

@@ -154,6 +154,19 @@ def test_skyrl_console_tracker_dict_sums_repeated_timers_and_keeps_timers_outsid
     assert report.skipped == {}
 
 
+def test_areal_stats_tables_sum_their_phases_into_the_step():
+    out, report = rows(HAND / "areal_stats.log")
+    assert report.format == "areal"
+    assert [r["step"] for r in out] == [1, 2]
+    first = out[0]
+    assert first["step_s"] == pytest.approx(88.992 + 6.5 + 5.25 + 0.125 + 31.464 + 4.75 + 0.25)
+    assert (first["rollout_s"], first["weight_sync_s"]) == (88.992, 4.75)
+    assert first["old_logprob_s"] == 6.5 + 5.25 and first["training_s"] == pytest.approx(31.464 + 0.125)
+    assert first["reward"] == 0.26204 and out[1]["ppo_actor/update/grad_norm"] is None
+    assert report.derived["step_s"] == "sum(timeperf/)"
+    assert report.skipped == {"stats table cut off by the end of the log": 3}
+
+
 def test_a_nan_printed_in_a_dict_line_is_counted():
     out, report = rows(HAND / "slime.log")
     assert any("1 value printed as nan (e.g. step 1 'perf/tokens_per_gpu_per_sec')" in n for n in report.notes)

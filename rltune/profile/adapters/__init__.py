@@ -11,6 +11,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from rltune.profile.adapters import (
+    areal,
     ms_swift,
     nemo_rl,
     openrlhf,
@@ -25,7 +26,7 @@ from rltune.profile.adapters import (
 
 ADAPTERS: dict[str, ModuleType] = {
     module.NAME: module
-    for module in (rltune_jsonl, verl, prime_rl, slime, openrlhf, trl, nemo_rl, skyrl, ms_swift, vllm)
+    for module in (rltune_jsonl, verl, prime_rl, slime, openrlhf, trl, nemo_rl, skyrl, ms_swift, areal, vllm)
 }
 
 __all__ = ["ADAPTERS"]
