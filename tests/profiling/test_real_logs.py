@@ -235,3 +235,20 @@ _TIMING_LINE = {
     "nemo-rl": re.compile(r"• [\w/ ]+: [\d.]+s"),
     "ms-swift": re.compile(r'"step_time"|"elapsed_time"'),
 }
+
+
+@pytest.mark.parametrize(("name", "fmt"), [
+    ("verl_timing_s_qwen2-7b_grpo_fsdp_steps12.log", "verl"),
+    ("verl_v0.1_timing_prefix_qwen2.5-0.5b_ppo_steps10.log", "verl"),
+    ("prime-rl_orchestrator_console_pr1318.log", "prime-rl"),
+    ("skyrl_gsm8k_timers_yottalabs_docs.log", "skyrl"),
+    ("nemo_rl_async_grpo_timing_pr1052.log", "nemo-rl"),
+    ("ms_swift_grpo_logging_issue9261.jsonl", "ms-swift"),
+    ("ms_swift_sft_logging_onevl_issue6.jsonl", "ms-swift"),
+])
+def test_no_line_with_a_timing_key_is_dropped_silently(name, fmt):
+    path = DATA / name
+    timing_lines = sum(1 for line in path.read_text().splitlines() if _TIMING_LINE[fmt].search(line))
+    assert timing_lines > 0, "the pattern found no timing line: the test would pass vacuously"
+    _, report = stage_table_from_logs(path)
+    assert timing_lines <= report.lines_used + report.lines_skipped
