@@ -146,12 +146,31 @@ def test_prime_rl_bench_results_give_one_row_per_successful_benchmark():
     ("nemo_rl_async_grpo_timing_pr1052.log", "nemo-rl"),
     ("ms_swift_grpo_logging_issue9261.jsonl", "ms-swift"),
     ("ms_swift_sft_logging_onevl_issue6.jsonl", "ms-swift"),
+    ("verl_wrapped_record_rllm_issue54.log", "verl"),
 ])
 def test_auto_picks_the_right_parser_and_matches_the_explicit_format(name, fmt):
     auto, report = stage_table_from_logs(DATA / name)
     assert report.format == fmt
     explicit, _ = stage_table_from_logs(DATA / name, format=fmt)
     assert explicit.equals(auto)
+
+
+def test_verl_record_wrapped_by_the_terminal_is_joined_back():
+    """rllm-org/rllm#54: a record pasted from a terminal that broke it at column 991, inside a pair."""
+    path = DATA / "verl_wrapped_record_rllm_issue54.log"
+    text = path.read_text()
+    first, second = text.splitlines()
+    assert len(first) == 991 and first.endswith("prompt_length/max") and second.startswith(":448.000")
+    timing = {k: float(v) for k, v in re.findall(r"timing_s/(\w+):([\d.]+)", text)}
+    table, report = stage_table_from_logs(path)
+    assert report.format == "verl" and report.lines_used == 2 and report.skipped == {}
+    row = table.to_pylist()[0]
+    assert row["step"] == 7 and row["step_s"] == timing["step"] == 122.367
+    assert row["rollout_s"] == timing["gen"]
+    assert row["old_logprob_s"] == pytest.approx(timing["old_log_prob"] + timing["ref"])
+    assert row["training_s"] == pytest.approx(timing["update_actor"] + timing["adv"])
+    assert row["prompt_length/max"] == 448.0 and row["mfu/actor"] == 0.401  # the pair cut in two
+    assert any("1 continuation line joined" in n for n in report.notes)
 
 
 def test_skyrl_timer_lines_give_the_step_and_its_stages():
@@ -240,6 +259,7 @@ _TIMING_LINE = {
 @pytest.mark.parametrize(("name", "fmt"), [
     ("verl_timing_s_qwen2-7b_grpo_fsdp_steps12.log", "verl"),
     ("verl_v0.1_timing_prefix_qwen2.5-0.5b_ppo_steps10.log", "verl"),
+    ("verl_wrapped_record_rllm_issue54.log", "verl"),
     ("prime-rl_orchestrator_console_pr1318.log", "prime-rl"),
     ("skyrl_gsm8k_timers_yottalabs_docs.log", "skyrl"),
     ("nemo_rl_async_grpo_timing_pr1052.log", "nemo-rl"),
