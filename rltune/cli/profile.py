@@ -16,8 +16,8 @@ HELP = """Time each stage of a job's step and diagnose what limits it.
 
 Runs JOB.yaml through its launcher for --steps steps (warm-up steps kept but marked) and writes
 stages.parquet, diagnosis.yaml and the resolved job.yaml into the run directory; or, with
---from-logs, reads an existing log of verl, prime-rl, slime, OpenRLHF, TRL, NeMo-RL, vLLM /metrics
-or the reference workload without running anything.
+--from-logs, reads an existing log of verl, prime-rl, slime, OpenRLHF, TRL, NeMo-RL, SkyRL,
+ms-swift, AReaL, vLLM /metrics or the reference workload without running anything.
 
 Example:
 
@@ -26,7 +26,8 @@ Example:
   rltune profile --from-logs verl.log --format auto --rl-mode sync --out runs/verl-7b
 """
 
-FORMAT_CHOICES = ("auto", "rltune", "verl", "prime-rl", "slime", "openrlhf", "trl", "nemo-rl", "vllm")
+FORMAT_CHOICES = ("auto", "rltune", "verl", "prime-rl", "slime", "openrlhf", "trl", "nemo-rl", "skyrl", "ms-swift",
+                  "areal", "vllm")
 SUMMARY_COLUMNS = ("step_s", "rollout_s", "training_s", "old_logprob_s", "weight_sync_s", "wait_s",
                    "engine_queue_s", "engine_prefill_s", "engine_decode_s", "sandbox_setup_s", "sandbox_exec_s",
                    "trainer_busy_frac", "padding_frac", "kv_cache_usage", "reward")
@@ -54,6 +55,7 @@ def _parse_sets(values: list[str]) -> dict:
 
 def _print_summary(diagnosis, report, run_dir: Path, warnings: list[str]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console(stderr=True)
@@ -61,7 +63,8 @@ def _print_summary(diagnosis, report, run_dir: Path, warnings: list[str]) -> Non
         console.print(f"[bold]{report.path}[/]: format [cyan]{report.format}[/], {report.steps} steps, "
                       f"{report.lines_used} lines used, {report.lines_skipped} skipped")
     for line in warnings:
-        console.print(f"[yellow]warning:[/] {line}")
+        # Warnings quote log text ('trainer.logger=[console]'); rich must not read it as markup.
+        console.print(f"[yellow]warning:[/] {escape(line)}")
     if diagnosis is None:
         console.print(f"stage table written to {run_dir}")
         return

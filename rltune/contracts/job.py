@@ -23,7 +23,8 @@ JOB_SCHEMA_VERSION = 1
 RlMode = Literal["sync", "one_step_async", "fully_async"]
 RL_MODES = ("sync", "one_step_async", "fully_async")
 Dialect = Literal["rltune", "hydra", "prime-rl", "argparse"]
-LogFormat = Literal["auto", "rltune", "verl", "prime-rl", "slime", "openrlhf", "trl", "nemo-rl"]
+LogFormat = Literal["auto", "rltune", "verl", "prime-rl", "slime", "openrlhf", "trl", "nemo-rl", "skyrl", "ms-swift",
+                    "areal"]
 KnobValue = int | float | str | bool
 
 
