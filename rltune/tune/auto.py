@@ -278,7 +278,9 @@ class AutoLoop:
 
         round_dir = self.workdir / "rounds" / f"r{round_no}"
         round_trials: list[Event] = []
-        for attempt in range(1, self.max_trials_per_round + 1):
+        # A round resumed after an interruption keeps the trials it had already run.
+        done = sum(1 for e in self.journal.events() if e["event"] == "trial" and e["round"] == round_no)
+        for attempt in range(done + 1, self.max_trials_per_round + 1):
             if trials_so_far + len(round_trials) >= self.trial_budget:
                 break
             failed = self._failed_settings()
