@@ -156,3 +156,12 @@ def test_a_local_job_whose_submitter_was_killed_is_found_then_cancelled_and_repo
     finally:
         if alive(job_pid):
             os.killpg(job_pid, signal.SIGKILL)
+
+
+def test_help_and_the_launcher_modules_import_neither_ray_nor_torch():
+    code = ("import sys\nfrom rltune.cli.main import main\nmain(['--help'])\n"
+            "import rltune.launch, rltune.launch.local, rltune.launch.torchrun, rltune.launch.slurm, rltune.launch.ray\n"
+            "print('HEAVY', sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'torch'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "HEAVY []" in out.stdout
