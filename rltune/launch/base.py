@@ -3,7 +3,7 @@
 A :class:`Launcher` turns a :class:`Submission` (argv, working directory, environment, run
 directory, log path, time limit) into a running job and returns a :class:`JobHandle`. The handle's
 :class:`JobIdentity` is plain JSON — launcher kind, the scheduler's job id, the scheduler's address,
-run directory, log path, deadline — so a caller can journal it before it waits. After the caller
+run directory, log path, time limits — so a caller can journal it before it waits. After the caller
 itself dies (``kill -9``), :func:`rltune.launch.launchers.reattach` turns the identity back into a
 handle that finds the job on its scheduler: still running (follow it), finished (its exit state),
 or gone (``lost``).
@@ -15,8 +15,10 @@ Every handle has:
   is still running); the job's output is brought into the log and handed to ``on_output`` meanwhile;
 - ``cancel()`` -> the final state: stops the job and waits, bounded, until the scheduler says it is
   gone (idempotent; a finished job is left as it ended);
-- ``follow()`` -> :class:`LaunchResult`: waits for the end, cancels the job at the identity's
-  deadline (timed out), and cancels it whenever the caller is stopped — KeyboardInterrupt,
+- ``follow()`` -> :class:`LaunchResult`: waits for the end, cancels the job once it has run
+  ``timeout_s`` (counted from when the scheduler started it: time in the queue does not count) or
+  has waited ``queue_timeout_s`` in the queue (both: timed out), and cancels it whenever the caller
+  is stopped — KeyboardInterrupt,
   SIGTERM (turned into :class:`Stopped` while a main-thread ``follow`` waits), any exception — so no
   job outlives the rltune that followed it.
 
@@ -74,7 +76,8 @@ class JobIdentity:
     run_dir: str
     log_path: str
     submitted_at: float      # Unix time
-    deadline: float          # Unix time after which the job is cancelled as timed out
+    timeout_s: float         # the run's limit, from when it starts running
+    queue_timeout_s: float | None = None  # how long it may wait to start (None: no limit)
     argv: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # per launcher (see each module)
 
@@ -90,7 +93,8 @@ class JobIdentity:
             raise LaunchError(f"{where}: version: expected {IDENTITY_VERSION}, found {data.get('version')!r}; "
                               "it was written by another rltune")
         kinds = {"launcher": str, "job_id": str, "address": str, "run_dir": str, "log_path": str,
-                 "submitted_at": (int, float), "deadline": (int, float), "argv": list, "extra": dict}
+                 "submitted_at": (int, float), "timeout_s": (int, float), "queue_timeout_s": (int, float, type(None)),
+                 "argv": list, "extra": dict}
         unknown = sorted(set(data) - set(kinds) - {"version"})
         if unknown:
             raise LaunchError(f"{where}: {unknown[0]}: unknown key; expected {', '.join(kinds)}")
@@ -105,6 +109,7 @@ class JobState:
     state: str                    # pending | running | succeeded | failed | cancelled | timed_out | lost
     returncode: int | None = None  # set once finished: the exit code, -N for signal N, NO_CODE for none
     detail: str = ""              # the scheduler's own word, e.g. 'NODE_FAIL (NodeDown)', 'STOPPED'
+    started_at: float | None = None  # Unix time it began running, where the scheduler says
 
     @property
     def finished(self) -> bool:
@@ -122,6 +127,7 @@ class Submission:
     log_path: Path
     timeout_s: float
     name: str                                       # the run id; scheduler job names derive from it
+    queue_timeout_s: float | None = None            # how long it may wait in the scheduler's queue
     on_output: Callable[[str], None] | None = None  # each log line as it arrives (a live view)
 
 
@@ -226,6 +232,7 @@ class JobHandle(ABC):
         self._t0 = time.monotonic() - max(0.0, time.time() - identity.submitted_at)
         self._cancel_requested = False
         self._unreachable_since: float | None = None
+        self._running_since: float | None = None  # Unix time: the scheduler's start time, or when first seen running
 
     @abstractmethod
     def poll(self) -> JobState:
@@ -290,21 +297,33 @@ class JobHandle(ABC):
         with _registered(self), _sigterm_stops():
             try:
                 while True:
-                    remaining = self.identity.deadline - time.time()
-                    if remaining <= 0:
-                        state = self._poll_or_unknown()
-                        if not state.finished:
-                            state = self.cancel()
-                            timed_out = True
-                        break
-                    state = self.wait(remaining)
+                    state = self.wait(self.poll_s)
                     if state.finished:
+                        break
+                    if self.over_limit(state):
+                        state = self.cancel()
+                        timed_out = state.state != SUCCEEDED  # it may have ended well in the meantime
                         break
             except BaseException:
                 # KeyboardInterrupt, Stopped, a failing on_output, a bug: the job must not outlive us.
                 self.cancel()
                 raise
         return self.result(state, timed_out)
+
+    def over_limit(self, state: JobState) -> str:
+        """Why the job is past its limits ('' while it is not): run time, or time waiting in the queue."""
+        now = time.time()
+        if state.state == RUNNING and "scheduler unreachable" not in state.detail:
+            if self._running_since is None:
+                self._running_since = state.started_at or now
+            if now - self._running_since >= self.identity.timeout_s:
+                return f"ran past its limit of {self.identity.timeout_s:g} s"
+        elif state.state == PENDING and self.identity.queue_timeout_s is not None:
+            if now - self.identity.submitted_at >= self.identity.queue_timeout_s:
+                return f"waited in the queue past {self.identity.queue_timeout_s:g} s"
+        elif self._running_since is not None and now - self._running_since >= self.identity.timeout_s:
+            return f"ran past its limit of {self.identity.timeout_s:g} s"  # and the scheduler stopped answering
+        return ""
 
     def result(self, state: JobState, timed_out: bool = False) -> LaunchResult:
         """The LaunchResult of a finished ``state``."""

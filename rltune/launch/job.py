@@ -139,7 +139,7 @@ def run_job(job: JobSpec, job_path: Path, run_dir: Path, overrides: dict[str, Kn
     log_path = run_dir / LOG_NAME
     handle = make_launcher(job.launch, str(job_path)).submit(Submission(
         argv=argv, cwd=workdir, env=env, run_dir=run_dir, log_path=log_path, timeout_s=job.launch.timeout_s,
-        name=run_dir.name, on_output=on_output))
+        name=run_dir.name, queue_timeout_s=job.launch.queue_timeout_s, on_output=on_output))
     try:
         write_record(run_dir, {"state": "submitted", "identity": handle.identity.to_json()})
         if on_submit is not None:

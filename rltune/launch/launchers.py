@@ -69,7 +69,7 @@ def make_launcher(spec: Any, where: str = "job.yaml") -> Launcher:
 def reattach(identity: dict[str, Any] | JobIdentity, on_output: Callable[[str], None] | None = None) -> JobHandle:
     """A handle on the job a journalled identity names, in whatever state it is now.
 
-    Running: ``follow()`` it to its end (the original deadline still applies). Finished while
+    Running: ``follow()`` it to its end (its time limits still count from its start). Finished while
     nobody watched: ``poll()`` gives its exit state. Not found: the state is ``lost``.
     """
     if not isinstance(identity, JobIdentity):

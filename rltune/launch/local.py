@@ -62,7 +62,7 @@ class LocalHandle(JobHandle):
 
     def poll(self) -> JobState:
         if self._started.proc.poll() is None:
-            return JobState(RUNNING)
+            return JobState(RUNNING, started_at=self.identity.submitted_at)
         code = self._started.finish()
         if self._cancel_requested:
             return JobState(CANCELLED, code, "killed by rltune")
@@ -88,7 +88,8 @@ class LocalOrphanHandle(JobHandle):
 
     def poll(self) -> JobState:
         if _is_ours_and_alive(self.identity):
-            return JobState(RUNNING, detail="its submitter is gone; output is no longer recorded")
+            return JobState(RUNNING, detail="its submitter is gone; output is no longer recorded",
+                            started_at=self.identity.submitted_at)
         return JobState(LOST, NO_CODE, "a local job does not outlive the process that started it; run it again")
 
     def _request_cancel(self) -> None:
@@ -121,7 +122,7 @@ class LocalLauncher(Launcher):
         identity = JobIdentity(
             launcher=self.kind, job_id=str(started.pgid), address=socket.gethostname(),
             run_dir=str(submission.run_dir), log_path=str(submission.log_path), submitted_at=now,
-            deadline=now + submission.timeout_s, argv=list(submission.argv),
+            timeout_s=submission.timeout_s, queue_timeout_s=submission.queue_timeout_s, argv=list(submission.argv),
             extra={"host": socket.gethostname(), "boot_id": _boot_id(), "start_ticks": _start_ticks(started.pgid)})
         handle = LocalHandle(identity, started)
         handle._t0 = started.started

@@ -9,8 +9,10 @@ launch.env as the runtime environment's ``env_vars``, and ``launch.ray_args`` (s
 job submit``) as the remaining keywords. The entrypoint runs on the cluster, so the working
 directory and the argv's programs must exist there (a shared file system, or one image); no
 working directory is uploaded. The submission id is ``rltune-<run id>-<6 hex>``; the job's metadata
-names the run directory. ``timeout`` ends the job on the cluster if rltune is gone by its deadline
-(exit code 124 after the limit reads as timed out); rltune itself stops it at the deadline.
+names the run directory. rltune stops the job once it has run launch.timeout_s (from Ray's
+start_time, the submission's: a PENDING job's wait counts; launch.queue_timeout_s bounds a longer
+one); ``timeout`` ends it on the cluster if rltune is gone by then (exit code 124 after the limit
+reads as timed out).
 
 Following. ``get_job_info`` every poll_s seconds; the job's log (``get_job_logs``, all of it each
 time) is copied into the run directory's launch.log from where this run's lines begin, and new
@@ -58,7 +60,7 @@ from rltune.launch.base import (
     file_size,
 )
 
-# The cluster-side limit trails rltune's own deadline, so that rltune's cancel normally comes first.
+# The cluster-side limit trails rltune's own, so that rltune's cancel normally comes first.
 BACKSTOP_GRACE_S = 30
 TIMEOUT_EXIT_CODE = 124  # coreutils timeout's exit code when the limit ended the command
 
@@ -90,7 +92,7 @@ class RayHandle(JobHandle):
                  timeout_s: float | None = None):
         super().__init__(identity, on_output)
         self.client = client
-        self.timeout_s = identity.deadline - identity.submitted_at if timeout_s is None else timeout_s
+        self.timeout_s = identity.timeout_s if timeout_s is None else timeout_s
         self._offset = int(identity.extra.get("log_offset", 0))
         self._copied = 0        # characters of Ray's log already in launch.log
         self._partial = ""
@@ -110,8 +112,11 @@ class RayHandle(JobHandle):
             raise SchedulerUnreachable(f"ray: jobs API at {self.identity.address}: {exc}") from None
         status = info.status
         word = str(getattr(status, "value", status))
-        if status in (JobStatus.PENDING, JobStatus.RUNNING):
-            return JobState(PENDING if status == JobStatus.PENDING else RUNNING, None, word)
+        if status == JobStatus.PENDING:
+            return JobState(PENDING, None, word)
+        if status == JobStatus.RUNNING:
+            # Ray's start_time is the submission's: the run's limit counts from there, PENDING included.
+            return JobState(RUNNING, None, word, (info.start_time or 0) / 1000.0 or None)
         code = info.driver_exit_code
         if status == JobStatus.SUCCEEDED:
             return JobState(SUCCEEDED, 0, word)
@@ -188,7 +193,7 @@ class RayLauncher(Launcher):
         identity = JobIdentity(
             launcher=self.kind, job_id=job_id, address=address, run_dir=str(submission.run_dir),
             log_path=str(submission.log_path), submitted_at=submitted_at,
-            deadline=submitted_at + submission.timeout_s, argv=list(submission.argv),
+            timeout_s=submission.timeout_s, queue_timeout_s=submission.queue_timeout_s, argv=list(submission.argv),
             extra={"log_offset": log_offset})
         return RayHandle(identity, client, submission.on_output, submission.timeout_s)
 

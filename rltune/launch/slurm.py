@@ -20,7 +20,8 @@ accounting is configured (slurmdbd, ``AccountingStorageType=accounting_storage/s
 is not (sacct: "Slurm accounting storage is disabled"), the code the job left in ``launch.exit`` is
 the answer, and a job that left none is ``lost``. The log is read from its file as the job writes it.
 
-Time limit. rltune cancels the job at its deadline (submission + launch.timeout_s); slurm's own
+Time limit. rltune cancels the job once it has run launch.timeout_s, counted from the StartTime
+slurm reports (time in the queue does not count; launch.queue_timeout_s bounds that); slurm's own
 ``--time`` ends it if rltune is gone by then. Either way the run reads as timed out.
 
 Stopping. ``scancel ID``; :meth:`SlurmHandle.cancel` returns once the controller reports the job
@@ -165,8 +166,14 @@ class SlurmHandle(JobHandle):
             word = re.search(r"\bJobState=(\S+)", text)
             code = re.search(r"\bExitCode=(\d+:\d+)", text)
             reason = re.search(r"\bReason=(\S+)", text)
-            return _state_of(word.group(1) if word else "", code.group(1) if code else "0:0",
-                             reason.group(1) if reason else "")
+            state = _state_of(word.group(1) if word else "", code.group(1) if code else "0:0",
+                              reason.group(1) if reason else "")
+            start = re.search(r"\bStartTime=(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)", text)
+            if state.state == RUNNING and start is not None:
+                # The controller's local time; rltune runs beside it (a login or head node of the cluster).
+                started = time.mktime(time.strptime(start.group(1), "%Y-%m-%dT%H:%M:%S"))
+                state = JobState(state.state, state.returncode, state.detail, started)
+            return state
         message = shown.stderr.strip()
         if any(s in message for s in _UNREACHABLE) or "Invalid job id" not in message:
             raise SchedulerUnreachable(f"slurm: scontrol show job {job_id} at {self.identity.address}: "
@@ -248,7 +255,7 @@ class SlurmLauncher(Launcher):
         identity = JobIdentity(
             launcher=self.kind, job_id=job_id, address=address, run_dir=str(run_dir),
             log_path=str(submission.log_path), submitted_at=submitted_at,
-            deadline=submitted_at + submission.timeout_s, argv=list(submission.argv),
+            timeout_s=submission.timeout_s, queue_timeout_s=submission.queue_timeout_s, argv=list(submission.argv),
             extra={"cluster": cluster, "job_name": job_name, "slurm_conf": env.get("SLURM_CONF"),
                    "exit_path": str(exit_path), "log_offset": log_offset, "time_limit_min": minutes})
         return SlurmHandle(identity, env, submission.on_output)

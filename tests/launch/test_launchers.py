@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _identity(**changes):
     data = {"version": 1, "launcher": "slurm", "job_id": "42", "address": "head:6817", "run_dir": "/r",
-            "log_path": "/r/launch.log", "submitted_at": 10.0, "deadline": 70.0, "argv": ["srun", "x"],
+            "log_path": "/r/launch.log", "submitted_at": 10.0, "timeout_s": 60.0, "queue_timeout_s": None, "argv": ["srun", "x"],
             "extra": {"job_name": "rltune-r"}}
     data.update(changes)
     return data
@@ -41,7 +41,7 @@ def test_an_identity_round_trips_through_json():
 
 
 @pytest.mark.parametrize("changes, field", [({"version": 2}, "version"), ({"job_id": 42}, "job_id"),
-                                            ({"deadline": None}, "deadline"), ({"jobid": "1"}, "jobid"),
+                                            ({"timeout_s": None}, "timeout_s"), ({"jobid": "1"}, "jobid"),
                                             ({"submitted_at": True}, "submitted_at")])
 def test_an_identity_that_does_not_fit_names_the_field(changes, field):
     with pytest.raises(LaunchError, match=rf"identity: {field}:"):

@@ -193,6 +193,6 @@ def test_a_second_process_reattaches_to_the_ray_job_of_a_killed_submitter_and_ge
 def test_a_job_the_cluster_does_not_know_is_lost(ray_head, tmp_path):
     identity = {"version": 1, "launcher": "ray", "job_id": "rltune-never-submitted-000000",
                 "address": ray_head.address, "run_dir": str(tmp_path), "log_path": str(tmp_path / "launch.log"),
-                "submitted_at": 0.0, "deadline": 1.0, "argv": ["true"], "extra": {}}
+                "submitted_at": 0.0, "timeout_s": 1.0, "queue_timeout_s": None, "argv": ["true"], "extra": {}}
     state = reattach(identity).poll()
     assert state.state == LOST and state.returncode != 0 and "no longer knows" in state.detail

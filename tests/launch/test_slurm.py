@@ -122,6 +122,17 @@ def test_a_job_cancelled_from_outside_is_not_ok_and_keeps_its_log(slurm, tmp_pat
     assert not any(alive(pid) for pid in _pids(run_dir))
 
 
+def test_a_job_that_waits_in_the_queue_past_queue_timeout_is_cancelled_as_timed_out(slurm, tmp_path):
+    path = write_job(tmp_path, JOB, launch={"launcher": "slurm", "slurm_args": ["--begin=now+1hour"],
+                                            "timeout_s": 60, "queue_timeout_s": 2})
+    run_dir = tmp_path / tmp_path.name  # run dirs name the job: one per test
+    result = run_job(load_job(path), path, run_dir)
+    assert result.timed_out and not result.ok and result.state == TIMED_OUT
+    shown = slurm.scontrol_job(result.identity["job_id"])
+    assert shown["JobState"] == "CANCELLED" and shown["RunTime"] == "00:00:00"   # it never started
+    assert result.identity["queue_timeout_s"] == 2 and not (run_dir / "pids").exists()
+
+
 def test_slurm_down_at_submit_names_the_launcher_the_address_and_the_fix_and_starts_nothing(slurm, tmp_path,
                                                                                             monkeypatch):
     port = free_port()
