@@ -9,20 +9,35 @@ STAMP := $(VENV)/.installed
 # downloading a multi-GB CUDA build; pip's find-links picks the local wheel.
 TORCH_PIN ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo "torch==2.13.0")
 
-.PHONY: setup test test-gpu test-all lint demo bench clean
+# The slurm launcher's tests start a real one-node SLURM cluster (tests/launch/schedulers.py) from
+# Debian's packages. As root where apt-get exists they are installed here (about 20 s, once; a no-op
+# when present); elsewhere those tests skip and say why.
+SLURM_PKGS := slurmctld slurmd slurm-client munge
+
+.PHONY: setup schedulers test test-gpu test-all lint demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip >/dev/null 2>&1 || true
-	$(BIN)/pip install -q $(TORCH_PIN) -e '.[test,bench]'
+	$(BIN)/pip install -q $(TORCH_PIN) -e '.[test,bench,ray]'
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) schedulers
 
-test: $(STAMP)
+schedulers:
+	@have() { command -v "$$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$$1" ]; }; \
+	if have sbatch && have slurmctld && have slurmd && have munged; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing $(SLURM_PKGS) for the slurm launcher's tests"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -qq --no-install-recommends $(SLURM_PKGS) >/dev/null 2>&1 || \
+	    { apt-get update -qq && apt-get install -y -qq --no-install-recommends $(SLURM_PKGS) >/dev/null; }; \
+	else echo "note: SLURM is not installed and needs root and apt-get to install; the slurm launcher's tests will skip"; fi
+
+test: $(STAMP) schedulers
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not gpu and not slow" -p no:cacheprovider
 
-test-all: $(STAMP)
+test-all: $(STAMP) schedulers
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not gpu" -p no:cacheprovider
 
 test-gpu: $(STAMP)
