@@ -5,6 +5,8 @@ Public API:
 - ``run_job(job, job_path, run_dir, overrides=None, steps=None, on_output=None, on_submit=None) -> LaunchResult``
   (fields argv, returncode, timed_out, wall_s, log_path, run_dir, state, identity; ``log_tail(n)``);
   ``on_submit(identity)`` gets the job's JSON identity as soon as it is submitted.
+- ``resume_job(identity, on_output=None) -> LaunchResult``: the result of a run an earlier process
+  submitted (read from its launch.json, or followed on its scheduler; ``lost`` when nobody has it).
 - ``reattach(identity) -> JobHandle``: the job an identity names, from another process (after a crash);
   ``poll()``, ``wait(timeout)``, ``cancel()``, ``follow() -> LaunchResult``.
 - ``make_launcher(launch_spec, where) -> Launcher``: ``submit(Submission) -> JobHandle``, ``reattach(JobIdentity)``.
@@ -28,7 +30,7 @@ from rltune.launch.base import (
     reset_stop,
 )
 from rltune.launch.dialects import DIALECTS, OverrideError, render_overrides
-from rltune.launch.job import UnmappedKnobError, build_argv, resolved_job, run_job
+from rltune.launch.job import UnmappedKnobError, build_argv, resolved_job, resume_job, run_job
 from rltune.launch.launchers import LAUNCHERS, launcher_argv, make_launcher, reattach
 from rltune.launch.rundir import new_run_dir, new_run_id
 
@@ -55,5 +57,6 @@ __all__ = [
     "request_stop",
     "reset_stop",
     "resolved_job",
+    "resume_job",
     "run_job",
 ]

@@ -16,6 +16,7 @@ comes back as a non-zero :attr:`LaunchResult.returncode`; callers decide.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import sys
@@ -148,5 +149,35 @@ def run_job(job: JobSpec, job_path: Path, run_dir: Path, overrides: dict[str, Kn
         handle.cancel()
         raise
     result = handle.follow()
+    write_record(run_dir, result_record(result))
+    return result
+
+
+def resume_job(identity: dict[str, Any], on_output: Callable[[str], None] | None = None) -> LaunchResult:
+    """The result of a run submitted by an earlier process (rltune killed while it ran).
+
+    A run whose launch.json already holds its result is read from there. A job still known to its
+    scheduler is followed to its end (its limits count from its own start); one that finished while
+    nobody watched gives its exit state. A job nobody can find any more (a local process group that
+    died with rltune, a cluster that forgot it) comes back ``lost``: the caller runs it again.
+    """
+    from rltune.launch.launchers import reattach
+
+    run_dir = Path(identity["run_dir"])
+    try:
+        record = json.loads((run_dir / RESULT_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        record = {}
+    if isinstance(record, dict) and isinstance(record.get("returncode"), int) and record.get("state"):
+        return LaunchResult(argv=list(record.get("argv") or []), returncode=record["returncode"],
+                            timed_out=bool(record.get("timed_out")), wall_s=float(record.get("wall_s") or 0.0),
+                            log_path=Path(record.get("log_path") or run_dir / LOG_NAME), run_dir=run_dir,
+                            state=record["state"], identity=record.get("identity") or identity)
+    handle = reattach(identity, on_output)
+    state = handle.poll()
+    if state.finished:
+        result = handle.result(state)
+    else:
+        result = handle.follow()
     write_record(run_dir, result_record(result))
     return result

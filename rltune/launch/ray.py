@@ -160,6 +160,10 @@ class RayHandle(JobHandle):
         return f"ray job stop --address {self.identity.address} {self.identity.job_id}"
 
 
+# How long a submission waits for a head's job agent that asks to try again later.
+AGENT_WAIT_S = 60.0
+
+
 class RayLauncher(Launcher):
     kind = "ray"
 
@@ -183,8 +187,18 @@ class RayLauncher(Launcher):
         log_offset = file_size(submission.log_path)
         submitted_at = time.time()
         try:
-            client.submit_job(entrypoint=entrypoint(submission), submission_id=job_id, runtime_env=runtime_env,
-                              metadata={k: str(v) for k, v in metadata.items()}, **options)
+            # A head whose job agent is still starting (or busy) answers 'No available agent ... try again
+            # later': that is the cluster asking for patience, not refusing the job.
+            deadline = time.monotonic() + AGENT_WAIT_S
+            while True:
+                try:
+                    client.submit_job(entrypoint=entrypoint(submission), submission_id=job_id, runtime_env=runtime_env,
+                                      metadata={k: str(v) for k, v in metadata.items()}, **options)
+                    break
+                except RuntimeError as exc:
+                    if "try again later" not in str(exc) or time.monotonic() > deadline:
+                        raise
+                    time.sleep(1.0)
         except (ConnectionError, OSError, RuntimeError, TypeError, ValueError) as exc:
             # RuntimeError: the API's refusal; TypeError/ValueError: the client's own check of runtime_env.
             raise LaunchError(f"{self.where}: launch.launcher: ray: the cluster at {address} refused the job: "
