@@ -232,7 +232,7 @@ def test_a_part_from_another_step_is_detected(run, tmp_path):
 def test_double_applied_delta_is_refused_by_the_plan_and_caught_by_the_checksum(run, tmp_path):
     engine, rx = _receiver_at(run, run["root"], 4)
     assert rx.apply(4).action == "none"  # the plan never applies a delta onto its own result
-    rx._apply_delta(4)  # force it past the plan (what a stale cache did to peers)
+    rx._apply_delta(4, rx._staged_delta(4))  # force it past the plan (what a stale cache did to peers)
     with pytest.raises(fmt.ChecksumMismatchError):
         rx._verify(4)
     rx.valid = False
@@ -242,7 +242,7 @@ def test_double_applied_delta_is_refused_by_the_plan_and_caught_by_the_checksum(
 
 def test_skipped_delta_is_replayed_by_the_plan_and_caught_by_the_checksum(run, tmp_path):
     engine, rx = _receiver_at(run, run["root"], 3)
-    rx._apply_delta(5)  # skips 4
+    rx._apply_delta(5, rx._staged_delta(5))  # skips 4
     with pytest.raises(fmt.ChecksumMismatchError):
         rx._verify(5)
     engine2, rx2 = _receiver_at(run, run["root"], 3)
