@@ -322,11 +322,11 @@ class DeltaReceiver:
             try:
                 plan = make_plan()
             except RltuneError as e:
-                plan = dict(error=f"{type(e).__name__}: {e}")
+                plan = dict(error=e)  # every worker raises rank 0's own error (type and message)
         plan = self._broadcast_plan(plan)
         if "error" in plan:
             self.valid = False
-            raise fmt.ChainError(f"planning on TP rank 0 failed: {plan['error']}")
+            raise plan["error"]
         report = UpdateReport(plan["action"], plan["target"], plan["anchor"], list(plan["deltas"]))
         if plan["action"] == "none":
             return report

@@ -94,10 +94,10 @@ from rltune.sync.vllm import VllmReceiver
 llm = start_engine({boot!r})
 rx = VllmReceiver(llm, {root!r})
 rx.attach()
-print("attached", rx.step, flush=True)
-for step in (1, 2):
-    rx.prepare(step)
-    print("updated", rx.update(step).step, flush=True)
+print("RLTUNE attached", rx.step, flush=True)
+for line in sys.stdin:  # the next step the trainer published
+    rx.prepare(int(line))
+    print("RLTUNE updated", rx.update(int(line)).step, flush=True)
 time.sleep(600)
 """
 
@@ -107,20 +107,31 @@ def test_a_killed_engine_is_restarted_and_catches_up(tmp_path):
     trainer.train()
     trainer.train()
     code = _CHILD.format(tests=str(Path(__file__).parent), boot=str(tmp_path / "checkpoint-0"), root=str(trainer.root))
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True,
                              env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+
+    def marked_line() -> str:
+        while True:  # vLLM logs to stdout too; the child marks its own lines
+            line = child.stdout.readline()
+            assert line, "the engine process ended early"
+            if line.startswith("RLTUNE "):
+                return line.strip().removeprefix("RLTUNE ")
+
     try:
-        lines = [child.stdout.readline().strip() for _ in range(3)]
-        assert lines == ["attached 0", "updated 1", "updated 2"], lines
+        assert marked_line() == "attached 2"
+        child.stdin.write(f"{trainer.train()}\n")
+        child.stdin.flush()
+        assert marked_line() == "updated 3"
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(30)
     assert child.returncode == -signal.SIGKILL
-    for _ in range(2):  # the trainer goes on while the engine is down: anchor 3, delta 4
+    for _ in range(2):  # the trainer goes on while the engine is down: deltas 4 and 5 after anchor 3
         trainer.train()
     llm = start_engine(tmp_path / "checkpoint-0")  # restarted from the checkpoint it booted from
     (report,) = _receiver(llm, trainer.root).attach()
-    assert (report["action"], report["anchor"], report["deltas"]) == ("reload", 3, [4])
+    assert (report["action"], report["anchor"], report["deltas"]) == ("reload", 3, [4, 5])
     assert_same_weights(_receiver(llm, trainer.root).weights(tensors=True), reference_weights(start_engine(trainer.save())))
 
 
@@ -158,7 +169,6 @@ def test_a_store_it_cannot_read_is_one_typed_error_naming_the_file(serving, tmp_
     saved = manifest.read_bytes()
     manifest.write_bytes(saved[:-3] + b"  }")  # same size, other bytes: the COMPLETE marker's CRC disagrees
     try:
-        serving["rx"].store_error = None
         with pytest.raises(fmt.CorruptBytesError, match=str(manifest)):
             serving["rx"].update(2)
         _still_serving_step_1(serving)
@@ -177,6 +187,13 @@ def test_a_foreign_model_is_an_index_map_error_naming_the_manifest_and_the_fix(s
     _still_serving_step_1(serving)
 
 
+def _process_weights_again(worker) -> None:
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    process_weights_after_loading(worker.model_runner.get_model(), worker.vllm_config.model_config,
+                                  torch.device("cpu"))
+
+
 def test_weights_vllm_repacked_again_are_refused_rather_than_patched(tmp_path):
     from rltune.sync.vllm.worker import EngineWeightsMovedError
 
@@ -184,7 +201,7 @@ def test_weights_vllm_repacked_again_are_refused_rather_than_patched(tmp_path):
     llm = start_engine(trainer.save())
     rx = _receiver(llm, trainer.root)
     rx.attach()
-    llm.collective_rpc("reload_weights")  # vLLM's own reload repacks: layer.weight is emptied again
+    llm.collective_rpc(_process_weights_again)  # vLLM's post-load processing repacks: layer.weight is emptied
     step = trainer.train()
     rx.prepare(step)
     with pytest.raises(EngineWeightsMovedError, match="attach again"):
