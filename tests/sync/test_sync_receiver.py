@@ -281,7 +281,7 @@ def test_manifest_path_outside_the_root_is_refused(run, tmp_path):
     (d / fmt.MANIFEST_NAME).write_bytes(raw)
     (d / fmt.COMPLETE_NAME).write_text(json.dumps(dict(format_version=1, step=4, manifest_bytes=len(raw),
                                                        manifest_crc32=fmt.crc32(raw))))
-    with pytest.raises(fmt.ChainError, match="ManifestPathError"):
+    with pytest.raises(fmt.ManifestPathError, match="etc/passwd"):
         rx.apply(4)
 
 

@@ -8,7 +8,6 @@ that engine's parameters as vLLM's own loader wrote them.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
