@@ -116,53 +116,91 @@ class IndexMap:
                                 f"({type(exc).__name__}: {exc}); the broadcast is of another model than the engine "
                                 "serves: point the engine at the trainer's broadcast root") from None
         param_names = list(params)
-        per_tensor: dict[int, list[np.ndarray]] = {}
+        runs: list[np.ndarray] = []  # rows of (tensor id, checkpoint start, length, parameter id, parameter start)
         engine_only: dict[str, int] = {}
         for pid, pname in enumerate(param_names):
-            flat = params[pname].data.reshape(-1)
-            if placeholder_dtype == torch.float64:
-                written = ~torch.isnan(flat)
-                if not bool(written.any()) and flat.numel():
-                    raise _foreign(source, pname)
-                vals_f = flat[written]
-                if not bool(torch.all(vals_f == torch.round(vals_f))):
-                    raise IndexMapError(f"{pname}: the engine's loader computes with checkpoint values (a code "
-                                        "is no longer an integer); the delta path needs plain copies")
-                vals = vals_f.to(torch.int64).numpy()
-                pos = np.nonzero(written.numpy())[0]
-            else:
-                flat_np = flat.numpy()
-                pos = np.nonzero(flat_np != -1)[0]
-                if not len(pos) and flat_np.size:
-                    raise _foreign(source, pname)
-                vals = flat_np[pos]
-            code = (vals >= BASE) & (vals < BASE + total)
-            if (~code).any():
-                engine_only[pname] = int((~code).sum())
-            pos, g = pos[code], vals[code] - BASE
-            tids = np.searchsorted(starts, g, side="right") - 1
-            for tid in np.unique(tids):
-                sel = tids == tid
-                per_tensor.setdefault(int(tid), []).append(
-                    np.stack([g[sel] - starts[tid], np.full(int(sel.sum()), pid), pos[sel]]))
-        tensors = {}
-        for tid, name in enumerate(names):
-            numel = numels[tid]
-            if tid not in per_tensor:
-                empty = np.zeros(0, dtype=np.int64)
-                tensors[name] = TensorRuns(name, numel, empty, empty, empty, empty)
+            pos, g = _codes_held(params[pname].data.reshape(-1), placeholder_dtype, total, source, pname)
+            if pos is None:
                 continue
-            ckpt, pid, pos = np.concatenate(per_tensor[tid], axis=1)
-            order = np.argsort(ckpt, kind="stable")
-            ckpt, pid, pos = ckpt[order], pid[order], pos[order]
-            if np.any(np.diff(ckpt) == 0):
+            if len(pos) < params[pname].numel():
+                written_other = _written_elements(params[pname].data.reshape(-1), placeholder_dtype) - len(pos)
+                if written_other:
+                    engine_only[pname] = written_other
+            if not len(pos):
+                continue
+            # maximal spans over which the parameter position and the code both advance by one (O(n))
+            brk = np.flatnonzero((np.diff(pos) != 1) | (np.diff(g) != 1)) + 1
+            first = np.concatenate(([0], brk))
+            length = np.diff(np.concatenate((first, [len(pos)])))
+            runs.append(_split_at_tensors(g[first], length, pos[first], pid, starts))
+        tensors = {}
+        table = np.concatenate(runs, axis=1) if runs else np.zeros((5, 0), dtype=np.int64)
+        order = np.lexsort((table[1], table[0]))
+        table = table[:, order]
+        bounds = np.searchsorted(table[0], np.arange(len(names) + 1))
+        for tid, name in enumerate(names):
+            tid_runs = table[:, bounds[tid]:bounds[tid + 1]]
+            _, ckpt, length, pid, pos = tid_runs
+            if len(ckpt) > 1 and np.any(ckpt[1:] < ckpt[:-1] + length[:-1]):
                 raise IndexMapError(f"{name}: the engine writes some checkpoint elements to two places in one worker; "
                                     "the delta path needs one place per element")
-            brk = np.nonzero((np.diff(ckpt) != 1) | (np.diff(pos) != 1) | (np.diff(pid) != 0))[0] + 1
-            run_starts = np.concatenate(([0], brk))
-            lengths = np.diff(np.concatenate((run_starts, [len(ckpt)])))
-            tensors[name] = TensorRuns(name, numel, ckpt[run_starts], lengths, pid[run_starts], pos[run_starts])
+            tensors[name] = TensorRuns(name, numels[tid], ckpt.copy(), length.copy(), pid.copy(), pos.copy())
         return cls(param_names, tensors, engine_only)
+
+
+def _codes_held(flat: torch.Tensor, placeholder_dtype: torch.dtype, total: int, source: str, pname: str):
+    """(positions, global indices) of the elements of one parameter that hold a checkpoint code."""
+    if placeholder_dtype == torch.float64:
+        written = ~torch.isnan(flat)
+        if flat.numel() and not bool(written.any()):
+            raise _foreign(source, pname)
+        vals_f = flat[written]
+        if not bool(torch.all(vals_f == torch.round(vals_f))):
+            raise IndexMapError(f"{pname}: the engine's loader computes with checkpoint values (a code is no longer "
+                                "an integer); the delta path needs plain copies")
+        vals = vals_f.to(torch.int64).numpy()
+        pos = np.flatnonzero(written.numpy())
+    else:
+        flat_np = flat.numpy()
+        pos = np.flatnonzero(flat_np != -1)
+        if flat_np.size and not len(pos):
+            raise _foreign(source, pname)
+        vals = flat_np[pos]
+    code = (vals >= BASE) & (vals < BASE + total)
+    if not code.all():
+        pos, vals = pos[code], vals[code]
+    return pos, vals - BASE
+
+
+def _written_elements(flat: torch.Tensor, placeholder_dtype: torch.dtype) -> int:
+    if placeholder_dtype == torch.float64:
+        return int((~torch.isnan(flat)).sum())
+    return int((flat != -1).sum())
+
+
+def _split_at_tensors(g0: np.ndarray, length: np.ndarray, pos0: np.ndarray, pid: int, starts: np.ndarray) -> np.ndarray:
+    """Runs of global indices as rows (tensor id, start in it, length, parameter id, parameter start),
+    split where a run crosses from one checkpoint tensor into the next (q then k in a fused qkv)."""
+    first_t = np.searchsorted(starts, g0, side="right") - 1
+    last_t = np.searchsorted(starts, g0 + length - 1, side="right") - 1
+    rows = [first_t, g0 - starts[first_t], length, np.full(len(g0), pid), pos0]
+    out = np.stack(rows).astype(np.int64)
+    crossing = np.flatnonzero(last_t > first_t)
+    if not len(crossing):
+        return out
+    extra = []
+    for r in crossing.tolist():
+        g, n, p = int(g0[r]), int(length[r]), int(pos0[r])
+        pieces = []
+        while n:
+            t = int(np.searchsorted(starts, g, side="right") - 1)
+            take = min(n, int(starts[t + 1]) - g)
+            pieces.append([t, g - int(starts[t]), take, pid, p])
+            g, n, p = g + take, n - take, p + take
+        extra.extend(pieces)
+    keep = np.ones(out.shape[1], dtype=bool)
+    keep[crossing] = False
+    return np.concatenate([out[:, keep], np.array(extra, dtype=np.int64).T], axis=1)
 
 
 def _numel(name: str, shape) -> int:

@@ -56,6 +56,7 @@ class UpdateReport:
     deltas: list[int] = field(default_factory=list)
     changes_applied: int = 0
     seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # seconds: plan, check, read, write, verify
 
 
 class DeltaReceiver:
@@ -317,32 +318,42 @@ class DeltaReceiver:
 
     def _update(self, make_plan: Callable[[], dict]) -> UpdateReport:
         t0 = time.perf_counter()
+        phases: dict[str, float] = {}
+
+        def timed(name: str, fn: Callable[[], Any]) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
+
         plan = None
         if self.rank == 0:
             try:
-                plan = make_plan()
+                plan = timed("plan", make_plan)
             except RltuneError as e:
                 plan = dict(error=e)  # every worker raises rank 0's own error (type and message)
         plan = self._broadcast_plan(plan)
         if "error" in plan:
             self.valid = False
             raise plan["error"]
-        report = UpdateReport(plan["action"], plan["target"], plan["anchor"], list(plan["deltas"]))
+        report = UpdateReport(plan["action"], plan["target"], plan["anchor"], list(plan["deltas"]), phases=phases)
         if plan["action"] == "none":
             return report
-        self._group_phase(self.before_write)
+        timed("check", lambda: self._group_phase(self.before_write))
         self.valid = False
-        manifest = self._group_phase(lambda: self.store.manifest(plan["target"]))
-        self._group_phase(lambda: self._check_static(manifest))
+        manifest = timed("check", lambda: self._group_phase(lambda: self.store.manifest(plan["target"])))
+        timed("check", lambda: self._group_phase(lambda: self._check_static(manifest)))
         if plan["action"] == "reload":
-            staged = self._group_phase(lambda: self._read_anchor(plan["anchor"]))
-            self._group_phase(lambda: self._write_anchor(plan["anchor"], staged))
-            self._verify(plan["anchor"])
+            staged = timed("read", lambda: self._group_phase(lambda: self._read_anchor(plan["anchor"])))
+            timed("write", lambda: self._group_phase(lambda: self._write_anchor(plan["anchor"], staged)))
+            timed("verify", lambda: self._verify(plan["anchor"]))
         for step in plan["deltas"]:
             # every worker has read and decoded the delta before any worker writes a change of it
-            staged = self._group_phase(lambda s=step: self._staged_delta(s))
-            report.changes_applied += self._group_phase(lambda s=step, st=staged: self._apply_delta(s, st))
-            self._verify(step)
+            staged = timed("read", lambda s=step: self._group_phase(lambda: self._staged_delta(s)))
+            report.changes_applied += timed("write", lambda s=step, st=staged: self._group_phase(
+                lambda: self._apply_delta(s, st)))
+            timed("verify", lambda s=step: self._verify(s))
         self.valid, self.step, self.run_id = True, plan["target"], manifest["run_id"]
         report.seconds = time.perf_counter() - t0
         return report

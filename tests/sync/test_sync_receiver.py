@@ -53,9 +53,11 @@ def _delta_path(root, step):
     return root / fmt.step_dir_name(step) / "rank-00000.delta"
 
 
-# per-run apply (torch reference), the fused multi-tensor apply through its torch reference, and
-# the fused Triton kernel (under TRITON_INTERPRET=1 on the CPU, as CI runs it)
+# per-run apply (torch reference), the fused multi-tensor apply through its torch reference, its
+# compiled CPU pass (what CPU vLLM engines use), and the fused Triton kernel (under
+# TRITON_INTERPRET=1 on the CPU, as CI runs it)
 APPLY_PATHS = {"per-run": dict(fused=False), "fused-ref": dict(fused=True, fused_backend="torch"),
+               "fused-numba": dict(fused=True, fused_backend="numba"),
                "fused-triton": dict(fused=True, fused_backend="triton")}
 
 

@@ -34,7 +34,8 @@ raises :class:`EngineWeightsMovedError`: call ``attach`` again.
 ``prepare(step)`` starts a thread that reads and decodes this worker's changes of ``step`` into
 reused buffers and returns at once, so the engine keeps serving while it runs; ``update(step)``
 waits for it (at most ``timeout_s``), applies the changes in place and verifies every tensor the
-worker holds (GPU: the Triton apply kernel; CPU: its torch reference).
+worker holds (GPU: the fused Triton apply kernel; CPU: the same apply compiled for the CPU,
+:mod:`rltune.sync.kernels.cpu_kernels`, whose oracle is the torch reference).
 """
 
 from __future__ import annotations
@@ -135,21 +136,33 @@ def keep_plain_weights(model: torch.nn.Module, vllm_config) -> int:
     return len(layers)
 
 
-def check_kernels_read(model: torch.nn.Module, params: dict[str, torch.Tensor], addresses: dict[str, int]) -> None:
-    """Raise unless every parameter the receiver writes is what the engine computes with."""
-    for name, p in params.items():
-        try:
-            live = model.get_parameter(name)
-        except AttributeError:
-            raise EngineWeightsMovedError(f"engine parameter {name} is gone; attach again") from None
-        if live is not p or p.numel() == 0 or p.data_ptr() != addresses[name]:
-            raise EngineWeightsMovedError(
-                f"engine parameter {name} was replaced or moved since attach (vLLM's reload_weights repacks and "
-                "empties linear weights); a patch would write a tensor the kernels no longer read: call attach again")
-    for name, m in model.named_modules():
-        if hasattr(m, "cpu_linear") and m.cpu_linear is not plain_linear:
-            raise EngineWeightsMovedError(f"layer {name} computes from a repacked copy of its weight again; "
-                                          "call attach again")
+class KernelGuard:
+    """Checks, in O(parameters), that every parameter the receiver writes is what the engine computes with.
+
+    Built once at attach: the (module, attribute) that holds each written parameter, its storage
+    address and size, and the layers that must compute with :func:`plain_linear` (CPU).
+    """
+
+    def __init__(self, model: torch.nn.Module, params: dict[str, torch.Tensor]):
+        modules = dict(model.named_modules())
+        self.slots = []
+        for name, p in params.items():
+            owner, _, leaf = name.rpartition(".")
+            self.slots.append((name, modules[owner], leaf, p, p.data_ptr(), p.numel()))
+        self.plain = [(name, m) for name, m in modules.items() if hasattr(m, "cpu_linear")]
+
+    def __call__(self) -> None:
+        for name, module, leaf, p, address, numel in self.slots:
+            live = module._parameters.get(leaf)
+            if live is not p or p.numel() != numel or numel == 0 or p.data_ptr() != address:
+                raise EngineWeightsMovedError(
+                    f"engine parameter {name} was replaced or moved since attach (vLLM's reload_weights and its "
+                    "post-load processing repack and empty linear weights); a patch would write a tensor the kernels "
+                    "no longer read: call attach again")
+        for name, m in self.plain:
+            if m.cpu_linear is not plain_linear:
+                raise EngineWeightsMovedError(f"layer {name} computes from a repacked copy of its weight again; "
+                                              "call attach again")
 
 
 # --------------------------------------------------------------------------------------------- TP groups
@@ -207,12 +220,14 @@ class WorkerSync:
         self.plain_layers = keep_plain_weights(self.model, config) if self.device.type == "cpu" else 0
         named = dict(self.model.named_parameters())
         self.params = {n: named[n] for n in self.index_map.param_names}
-        self.addresses = {n: p.data_ptr() for n, p in self.params.items()}
-        self._agree_phase(lambda: check_kernels_read(self.model, self.params, self.addresses))
-        fused_backend = "triton" if self.device.type == "cuda" else "torch"
+        self.guard = KernelGuard(self.model, self.params)
+        self._agree_phase(self.guard)
+        # GPU: the fused Triton kernel; CPU: its compiled CPU pass (the torch reference, ~1 µs a change on
+        # two cores, would hold the pause for seconds at 100 M parameters)
+        fused_backend = "triton" if self.device.type == "cuda" else "numba"
         self.receiver = DeltaReceiver(root, self.model, self.index_map, group=self.group, fused=True,
                                       fused_backend=fused_backend)
-        self.receiver.before_write = lambda: check_kernels_read(self.model, self.params, self.addresses)
+        self.receiver.before_write = self.guard
         self.verify = verify
         self._prefetch: tuple[int, threading.Thread, dict[str, Any]] | None = None
 
@@ -314,7 +329,8 @@ class WorkerSync:
 
 def _report(report, receiver) -> dict[str, Any]:
     return dict(ok=True, action=report.action, step=report.step, anchor=report.anchor, deltas=list(report.deltas),
-                changes=report.changes_applied, seconds=report.seconds, anchor_loads=receiver.anchor_loads,
+                changes=report.changes_applied, seconds=report.seconds, phases=dict(report.phases),
+                anchor_loads=receiver.anchor_loads,
                 deltas_applied=receiver.deltas_applied)
 
 
@@ -402,5 +418,5 @@ def parameter_digests(model: torch.nn.Module, tensors: bool = False) -> dict[str
 
 
 __all__ = ["EngineWeightsMovedError", "NotAttachedError", "RltuneWorkerExtension", "VllmSyncError", "WorkerSync",
-           "build_unprocessed_model", "check_kernels_read", "keep_plain_weights", "parameter_digests",
+           "KernelGuard", "build_unprocessed_model", "keep_plain_weights", "parameter_digests",
            "plain_linear"]
