@@ -8,6 +8,7 @@ that engine's parameters as vLLM's own loader wrote them.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -235,3 +236,75 @@ def test_tp2_a_failure_on_one_worker_fails_both_within_the_time_out_and_both_rel
     fresh = start_engine(trainer.save(), tp=2)
     assert_same_weights(rx.weights(tensors=True), reference_weights(fresh))
     assert greedy(llm) == greedy(fresh)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _completions(url: str, model: str) -> list[list[int]]:
+    import urllib.request
+
+    from vllm_helpers import PROMPTS
+
+    out = []
+    for prompt in PROMPTS:
+        body = json.dumps(dict(model=model, prompt=prompt, max_tokens=10, temperature=0, return_token_ids=True)).encode()
+        req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            out.append(json.loads(resp.read())["choices"][0]["token_ids"])
+    return out
+
+
+def test_the_openai_compatible_server_is_updated_through_its_own_collective_rpc_route(tmp_path):
+    import urllib.request
+
+    trainer = Trainer(tmp_path, interval=3)
+    boot = trainer.save()
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(boot), "--host",
+         "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "128",
+         "--kv-cache-memory-bytes", str(16 << 20), "--worker-extension-cls",
+         "rltune.sync.vllm.worker.RltuneWorkerExtension"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, VLLM_SERVER_DEV_MODE="1"))
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, "vllm serve exited before it was ready"
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "vllm serve was not ready within 120 s"
+            time.sleep(1)
+        from rltune.sync.vllm import VllmReceiver
+
+        rx = VllmReceiver.http(url, str(trainer.root))
+        (report,) = rx.attach()
+        assert report["action"] == "reload" and report["plain_layers"] > 0
+        for _ in range(2):
+            step = trainer.train()
+            rx.prepare(step)
+            _completions(url, str(boot))  # the server keeps serving while its worker reads the step
+            summary = rx.update(step)  # /pause?mode=keep -> /collective_rpc -> /resume
+            assert (summary.step, summary.action, summary.prefetched) == (step, "delta", True)
+            assert summary.pause_s > 0 and summary.resume_s > 0
+        fresh = start_engine(trainer.save())
+        assert _completions(url, str(boot)) == greedy(fresh)
+        got = rx.weights()  # over HTTP: digests, not tensors
+        want = reference_weights(fresh)
+        assert [{n: w["sha256"] for n, w in g.items()} for g in got] == \
+               [{n: w["sha256"] for n, w in r.items()} for r in want]
+        with pytest.raises(fmt.ChainError, match="step 42 is absent"):
+            rx.update(42)  # an error crosses HTTP as the same typed error
+    finally:
+        server.terminate()
+        server.wait(30)

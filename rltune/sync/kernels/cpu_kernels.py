@@ -86,7 +86,7 @@ def apply_deltas_cpu(targets: list[torch.Tensor], layouts: list[dict], entry_ten
     A sparse patch waits on memory, one cache line per change (measured here: ~20 ns a change at 1 %
     density against ~2 ns dense), so with ``threads`` > 1 (default: two when the machine has two
     cores) the entries are split between this thread and a second one; the kernel holds no GIL and
-    entries write disjoint elements.
+    entries write disjoint elements. ``RLTUNE_APPLY_THREADS`` overrides the default.
     """
     idx = idx_C.to(torch.int64).numpy()
     val = val_C.to(torch.int32).numpy()
@@ -109,7 +109,8 @@ def apply_deltas_cpu(targets: list[torch.Tensor], layouts: list[dict], entry_ten
                                 lay["col_window"][1], rt, ct, tables, add, views[target].dtype != np.uint8)
             checksums[e], written[e] = int(s), int(n)
 
-    threads = threads if threads is not None else min(2, os.cpu_count() or 1)
+    if threads is None:
+        threads = int(os.environ.get("RLTUNE_APPLY_THREADS", "0")) or min(2, os.cpu_count() or 1)
     if threads < 2 or offsets[-1] < _PARALLEL_MIN_CHANGES or len(entries) < 2:
         run(list(range(len(entries))))
         return checksums, written
