@@ -21,7 +21,7 @@ record with the config, device, versions and git SHA.
 
 Usage (the CPU, in-process engines)::
 
-    VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_HOST_IP=127.0.0.1 \\
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_HOST_IP=127.0.0.1 \\
         python bench/sync_vllm.py --steps 8 --out bench/results/sync_vllm-cpu.json
 """
 
@@ -38,8 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
-for key, value in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
-                   ("VLLM_HOST_IP", "127.0.0.1")):
+# KV caches are sized with kv_cache_memory_bytes (VLLM_CPU_KVCACHE_SPACE, if set, overrides it)
+for key, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_HOST_IP", "127.0.0.1")):
     os.environ.setdefault(key, value)
 
 import torch  # noqa: E402

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# Each engine sizes its KV cache with kv_cache_memory_bytes (16 MiB); VLLM_CPU_KVCACHE_SPACE would
+# override that with whole GiB per engine, and a test session keeps every engine it starts.
+os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")

@@ -18,9 +18,10 @@ from typing import Any
 
 WORKER_EXTENSION = "rltune.sync.vllm.worker.RltuneWorkerExtension"
 
-# What a CPU engine on a small machine needs (measured: docs/BENCHMARKS.md, "vLLM on the CPU").
+# What a CPU engine on a small machine needs besides a KV cache size (kv_cache_memory_bytes=..., or
+# VLLM_CPU_KVCACHE_SPACE in whole GiB, which overrides it): vLLM's default utilisation is refused
+# where NUMA node 0 reports little memory.
 CPU_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default utilisation is refused where NUMA node 0 reports little
     "VLLM_HOST_IP": "127.0.0.1",  # keep the workers' traffic on loopback
 }
 
