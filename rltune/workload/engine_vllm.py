@@ -77,7 +77,7 @@ RESERVED = {
 }
 SERVE_TIMEOUT_S = 600.0  # vllm serve is ready in ~20 s on an idle 2-core CPU, minutes when it is shared
 HTTP_TIMEOUT_S = 600.0
-KV_POLL_S = 0.25  # served engines: how often the KV-cache gauge is read while requests run
+KV_POLL_S = 0.05  # served engines: how often the KV-cache gauge is read while requests run (~2 ms a read here)
 
 
 class VllmEngineArgsError(RltuneError):
@@ -157,6 +157,13 @@ def _blamed_key(user_keys: list[str], message: str) -> str:
     return hits[0] if len(hits) == 1 else ", ".join(hits or user_keys)
 
 
+def usage_context(serve: bool):
+    """vLLM's usage context, which picks its defaults (max_num_seqs 256 offline, 128 served, on a CPU)."""
+    from vllm.usage.usage_lib import UsageContext
+
+    return UsageContext.OPENAI_API_SERVER if serve else UsageContext.LLM_CLASS
+
+
 def check_engine_args(cfg: WorkloadConfig, file: str) -> dict[str, Any]:
     """Build vLLM's own engine config from the engines' arguments; raise one line naming the key if vLLM refuses.
 
@@ -191,7 +198,7 @@ def check_engine_args(cfg: WorkloadConfig, file: str) -> dict[str, Any]:
 
             model_config(cfg.model.preset).save_pretrained(model_dir)
             try:
-                config = EngineArgs(model=model_dir, **args).create_engine_config()
+                config = EngineArgs(model=model_dir, **args).create_engine_config(usage_context(cfg.engine.serve))
             except Exception as exc:  # pydantic ValidationError, ValueError, NotImplementedError: vLLM's refusals
                 words = _one_line(f"{type(exc).__name__}: {exc}")
                 where = f"engine.vllm.{_blamed_key(user_keys, str(exc))}" if user_keys else "engine"
@@ -312,7 +319,8 @@ class VllmStepMetrics:
             "engine_prefill_s": core.get("engine_prefill_s"),
             "engine_decode_s": core.get("engine_decode_s"),
             "engine_preemptions": core.get("engine_preemptions"),
-            "kv_cache_usage": max(s["kv_peak_frac"] for s in engine_stats),
+            "kv_cache_usage": max((s["kv_peak_frac"] for s in engine_stats if s["kv_peak_frac"] is not None),
+                                  default=None),
             # extras (vLLM's own figures for the step)
             "engine_gen_tokens": core.get("gen_tokens"),
             "engine_decode_steps": step.get("vllm:iteration_tokens_total/count"),
@@ -422,8 +430,9 @@ class _Base:
             info = self.load(int(version), message)
             self.out.put(("loaded", self.index, version, {"load_s": time.perf_counter() - start, **info}))
         elif kind == "stats":
-            stats = dict(self.stats(), kv_peak_frac=self.kv_peak)
-            self.kv_peak = self.current_kv()
+            stats = self.stats()
+            stats["kv_peak_frac"] = self.kv_peak
+            self.kv_peak = self.current_kv()  # the next step starts from what the cache holds now
             self.out.put(("stats", self.index, stats))
         else:
             raise ValueError(f"engine got an unknown message {kind!r}")
@@ -474,7 +483,6 @@ class OfflineEngine(_Base):
 
     def start(self) -> dict[str, Any]:
         from vllm.engine.arg_utils import EngineArgs
-        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.llm_engine import LLMEngine
 
         start = time.perf_counter()
@@ -498,7 +506,7 @@ class OfflineEngine(_Base):
 
         self.kv_now = 0.0
         args = EngineArgs(model=self.s.boot_dir, **self.s.engine_args)
-        self.engine = LLMEngine.from_engine_args(args, UsageContext.LLM_CLASS, stat_loggers=[KvPeakLogger])
+        self.engine = LLMEngine.from_engine_args(args, usage_context(False), stat_loggers=[KvPeakLogger])
         self.engine.set_weight_version("0")  # vLLM labels each token's weights; rltune's versions count from 0
         self.requests: dict[str, int] = {}  # vLLM's request id -> ours
         self.busy_s = 0.0
@@ -619,9 +627,9 @@ class ServedEngine(_Base):
             info.update(self.attach(self._rpc()))
         self._http("POST", "/inference/v1/generate", self._body("rltune-warm-up", [self.s.eos_id] * 4, 4, 1.0))
         self.stop_polling = threading.Event()
+        self.kv_peak, self.kv_sampled = 0.0, False
         self.poller = threading.Thread(target=self._poll_kv, name="rltune-vllm-kv", daemon=True)
         self.poller.start()
-        self.kv_peak = 0.0
         info.update(params=0, vllm=self.snapshot())
         return info
 
@@ -723,7 +731,8 @@ class ServedEngine(_Base):
                 continue
             values = [float(v) for v in gauge.findall(text)]
             if values:
-                self.kv_peak = max(self.kv_peak, max(values))
+                self.kv_peak = max(self.kv_peak or 0.0, max(values))
+                self.kv_sampled = True
 
     def snapshot(self) -> dict[str, float]:
         return snapshot_from_text(self._http("GET", "/metrics"))
@@ -732,9 +741,11 @@ class ServedEngine(_Base):
         return 0.0
 
     def stats(self) -> dict[str, Any]:
-        snap = self.snapshot()
-        self.kv_peak = max(self.kv_peak, snap.get("vllm:kv_cache_usage_perc", 0.0))
-        return {"vllm": snap, "busy_s": None}
+        # no reading while requests ran (all began and ended between two polls): not measured, left out
+        if not self.kv_sampled:
+            self.kv_peak = None
+        self.kv_sampled = False
+        return {"vllm": self.snapshot(), "busy_s": None}
 
     def update_full(self, directory: str) -> None:
         self._http("POST", "/pause?mode=keep")
