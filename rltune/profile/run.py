@@ -218,9 +218,12 @@ def record_run(job_path: str | Path, run_dir: str | Path, *, job: JobSpec | None
 
 def profile_job(job_path: str | Path, run_dir: str | Path, steps: int | None = None,
                 overrides: dict[str, KnobValue] | None = None,
-                on_output: Callable[[str], None] | None = None) -> RecordedRun:
-    """:func:`record_run` for ``rltune profile``: a failed job raises, with what was saved and its log tail."""
-    run = record_run(job_path, run_dir, overrides=overrides, steps=steps, on_output=on_output)
+                on_output: Callable[[str], None] | None = None, job: JobSpec | None = None) -> RecordedRun:
+    """:func:`record_run` for ``rltune profile``: a failed job raises, with what was saved and its log tail.
+
+    ``job``: the job file's contents as changed by the caller (``--vllm-metrics`` sets its metrics URL).
+    """
+    run = record_run(job_path, run_dir, job=job, overrides=overrides, steps=steps, on_output=on_output)
     if run.ok:
         return run
     if run.cause in ("no_metrics", "unreadable_metrics"):
