@@ -37,7 +37,9 @@ the peak of ``vllm:kv_cache_usage_perc`` over the step (offline: every scheduler
 vLLM stat logger; served: polled while requests run), not its value at the step's end.
 
 Engine arguments: ``engine.vllm`` holds vLLM ``EngineArgs`` fields as they are; rltune sets the
-ones in :data:`RESERVED` from the rest of the config. :func:`check_engine_args` builds vLLM's own
+ones in :data:`RESERVED` from the rest of the config. One convention of rltune's own:
+``spec_tokens: 0`` turns speculative decoding off (vLLM takes no 0), so a tuning job can move
+``spec_tokens`` with ``spec_method: ngram`` written beside it. :func:`check_engine_args` builds vLLM's own
 engine config from them before any engine starts, so a misspelt key or a value vLLM refuses is
 one line naming the key, with vLLM's message.
 """
@@ -131,6 +133,10 @@ def engine_arguments(cfg: WorkloadConfig) -> dict[str, Any]:
         kv_cache_memory_bytes=kv_cache_bytes(cfg), worker_extension_cls=WORKER_EXTENSION,
         disable_log_stats=False, generation_config="vllm")
     args.update(cfg.engine.vllm)
+    if args.get("spec_tokens") == 0:
+        # speculative decoding off: vLLM takes no 0 draft tokens, and spec_method alone asks for a count
+        args.pop("spec_tokens")
+        args.pop("spec_method", None)
     return args
 
 
