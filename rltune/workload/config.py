@@ -274,7 +274,9 @@ def parse_override(text: str, file: str) -> tuple[str, Any]:
         raise MalformedFileError(file, "", f"override {text!r} is not 'dotted.key=value' (e.g. trainer.micro_batch_size=4)")
     known = knob_keys()
     if key not in known and not any(key.startswith(k + ".") and len(key) > len(k) + 1 for k in MAPPING_KEYS):
-        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        # a misspelt mapping key (engine.vlm.max_num_seqs) is closest to that entry under the mapping
+        entries = [f"{k}.{key.rsplit('.', 1)[-1]}" for k in MAPPING_KEYS if "." in key]
+        close = difflib.get_close_matches(key, known + entries, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}?" if close else "see docs/workload.md for the keys"
         raise UnknownKeyError(file, key, f"unknown override key ({hint})")
     try:

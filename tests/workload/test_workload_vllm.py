@@ -29,6 +29,7 @@ pytestmark = requires_vllm
 
 TINY_MATH = REPO / "presets" / "workload" / "tiny-math-vllm.yaml"
 TINY_TOOL = REPO / "presets" / "workload" / "tiny-tool-use-vllm.yaml"
+WIDE_MATH = REPO / "presets" / "workload" / "tiny-math-vllm-64x8.yaml"  # presets/cpu-vllm-demo.yaml's workload
 # Small batches: the run is mostly vLLM's start-up. fp32 engines: the same weights on both sides give a
 # gap of float32 noise only.
 FAST = ["orchestrator.tasks_per_batch=2", "orchestrator.trials_per_task=3", "env.max_new_tokens=6",
@@ -151,14 +152,24 @@ def test_the_presets_write_out_vllms_own_defaults():
     """The vLLM presets spell the engine arguments a tuning job moves; each must be what vLLM picks by itself."""
     from rltune.workload.engine_vllm import check_engine_args
 
-    for path in (TINY_MATH, TINY_TOOL):
+    for path in (TINY_MATH, TINY_TOOL, WIDE_MATH):
         cfg = load_workload_config(path)
         written = dict(cfg.engine.vllm)
         bare = load_workload_config(path)
         bare.engine.vllm = {"enforce_eager": True}
         resolved = check_engine_args(bare, str(path))
         assert written.pop("enforce_eager") is True
+        spec = written.pop("spec_method", None), written.pop("spec_tokens", 0)
+        assert spec in ((None, 0), ("ngram", 0)), path  # speculative decoding off, vLLM's default
         assert {k: resolved[k] for k in written} == written, path
+        assert resolved["speculative"] is None and check_engine_args(cfg, str(path)) == resolved
+
+
+def test_the_tuning_jobs_speculative_knob_turns_on_vllms_ngram_speculation():
+    from rltune.workload.engine_vllm import check_engine_args
+
+    cfg = load_workload_config(WIDE_MATH, ["engine.vllm.spec_tokens=3"])
+    assert check_engine_args(cfg, str(WIDE_MATH))["speculative"] == "ngram"
 
 
 @pytest.mark.slow
