@@ -24,7 +24,7 @@ WORKLOAD_SCHEMA_VERSION = 1
 
 @dataclass
 class ModelConfig:
-    preset: Literal["tiny", "small"] = field("tiny", doc="model size: tiny (CPU, 0.42 M params) or small (0.51 B params, H200)")
+    preset: Literal["tiny", "mini", "small"] = field("tiny", doc="model size: tiny (CPU, 0.42 M params), mini (CPU weight-sync benchmarks, 76 M) or small (0.51 B params, H200)")
     seed: int = field(0, doc="seed of the random initialisation (nothing is downloaded)")
     dtype: Literal["float32", "bfloat16"] = field("float32", doc="trainer parameter dtype")
     engine_dtype: Literal["float32", "bfloat16"] = field("float32", doc="dtype the engines serve; differs from dtype -> wider trainer-rollout gap")
