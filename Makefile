@@ -11,10 +11,13 @@ TORCH_PIN ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo "torch==2.13.
 
 .PHONY: setup test test-gpu test-all lint demo bench clean
 
+# verl is installed without its dependencies: the tests only compose its config YAMLs with hydra, and
+# its own pins (transformers < 5.11, ray, ...) conflict with ours.
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip >/dev/null 2>&1 || true
-	$(BIN)/pip install -q $(TORCH_PIN) -e '.[test,bench]'
+	$(BIN)/pip install -q $(TORCH_PIN) -e '.[test,bench,trl]'
+	$(BIN)/pip install -q --no-deps verl==0.9.1
 	touch $(STAMP)
 
 setup: $(STAMP)
