@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 
 PROG = "rltune.integrations.trl_grpo"
@@ -56,18 +57,24 @@ def parse(argv: list[str]):
     from trl import GRPOConfig, TrlParser
 
     parser = TrlParser((GRPOConfig, JobArguments), prog=PROG)
-    argv = with_derived_accumulation(parser, list(argv))
-    try:
-        config, job, rest = parser.parse_args_and_config(argv, return_remaining_strings=True)
-    except ValueError as exc:  # GRPOConfig / TrainingArguments refuse the combination
-        message = " ".join(str(exc).split())
-        if "use_cpu" in message or "bf16" in message.lower() and "gpu" in message.lower():
-            message += " (on a CPU pass --bf16 false)"
-        raise JobFlagError(message) from None
+    # Deprecation warnings the configs raise while they are built (transformers renames fields) are
+    # shown only once the flags are good: a bad flag's one line must stay one line.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        argv = with_derived_accumulation(parser, list(argv))
+        try:
+            config, job, rest = parser.parse_args_and_config(argv, return_remaining_strings=True)
+        except ValueError as exc:  # GRPOConfig / TrainingArguments refuse the combination
+            message = " ".join(str(exc).split())
+            if "use_cpu" in message or "bf16" in message.lower() and "gpu" in message.lower():
+                message += " (on a CPU pass --bf16 false)"
+            raise JobFlagError(message) from None
     if rest:
         raise JobFlagError(f"{' '.join(rest)}: not a flag of TRL's GRPOConfig or of this job; check the spelling "
                            "(if it comes from a job file: its launch.knob_map or launch.command); "
                            f"'python -m {PROG} --help' lists them")
+    for warning in caught:
+        warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     return config, job
 
 
