@@ -24,7 +24,7 @@ import pytest
 
 from rltune.contracts.job import load_job
 from rltune.contracts.knowledge import load_knowledge, parse_relative
-from rltune.launch import build_argv
+from rltune.launch import build_argv, render_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = REPO / "presets"
@@ -36,6 +36,13 @@ PRIME_RL_COMMIT = "559b44772e471d1538537b8805cc77f3824a5e64"
 FRAMEWORK_OF = {"trl-grpo-cpu.yaml": "trl", "trl-grpo-h200.yaml": "trl", "verl-grpo.yaml": "verl",
                 "prime-rl.yaml": "prime-rl"}
 RUN_DIR = Path("/runs/r1")
+
+
+def bare_argv(job) -> list[str]:
+    """The job's own command with only the step count: what the framework runs when no knob is passed."""
+    command = [part.replace("{run_dir}", str(RUN_DIR)).replace("{steps}", str(job.limits.steps))
+               for part in job.launch.command]
+    return command + render_overrides(job.launch.dialect, {job.launch.steps_override: job.limits.steps})
 
 
 def every_knob(job) -> dict:
@@ -88,7 +95,7 @@ def test_trl_preset_baseline_is_what_trl_parses_from_the_command(path):
     from rltune.integrations.trl_grpo import parse
 
     job = load_job(path)
-    argv = build_argv(job, path, RUN_DIR, steps=job.limits.steps)[3:]
+    argv = bare_argv(job)[3:]
     # A CPU cannot build the H200 preset's bf16 config; the last --bf16 wins, nothing else changes.
     config, extra = parse([*argv, "--bf16", "false"])
     for knob, field in job.launch.knob_map.items():
@@ -152,7 +159,7 @@ def test_verl_command_composes_to_the_knobs_baseline_values():
     from omegaconf import OmegaConf
 
     job = load_job(VERL)
-    cfg = verl_compose(verl_overrides(build_argv(job, VERL, RUN_DIR, steps=job.limits.steps)))
+    cfg = verl_compose(verl_overrides(bare_argv(job)))
     for knob, key in job.launch.knob_map.items():
         value = OmegaConf.select(cfg, key.lstrip("+"), default="<absent>")
         if key.startswith("+"):
