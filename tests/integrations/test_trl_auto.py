@@ -36,7 +36,9 @@ def test_auto_tunes_the_trl_job_and_writes_a_tuned_preset_trl_accepts(tmp_path, 
     assert kinds[0] == "start" and kinds[-1] == "finish" and "baseline" in kinds
     assert sum(k == "trial" for k in kinds) <= 1
     for start in (e for e in events if e["event"] == "run_start"):
-        rows = read_stages(Path(start["run_dir"]) / "stages.parquet").to_pylist()
+        run_dir = Path(start["run_dir"])
+        run_dir = run_dir if run_dir.is_absolute() else work / run_dir  # the journal may hold it relative to --workdir
+        rows = read_stages(run_dir / "stages.parquet").to_pylist()
         assert [r["step"] for r in rows] == [1, 2, 3, 4]
         assert all(r["step_s"] is not None and r["rollout_s"] is not None and r["training_s"] is not None for r in rows)
     tuned = load_job(summary["tuned_preset"])
