@@ -4,7 +4,7 @@ For every setting (knob overrides over a job's baseline) this script
 
 1. forecasts it from the library as it stands (``forecast_setup``), so the forecast made before
    the run is stored beside its measurement, exactly as the tuner does;
-2. runs the job for real through ``rltune.launch.run_job`` for ``--steps`` steps;
+2. runs the job for real through the run recorder (``rltune.tune.trial.measure_run``) for ``--steps`` steps;
 3. parses the metrics with ``rltune.profile.stage_table_from_logs`` and appends a case
    (``case_from_run``) -- a failed or timed-out run is recorded with its status.
 
@@ -159,11 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{sum(len(p) for p in plans)} runs", file=sys.stderr)
         return 0
 
-    from rltune.errors import RltuneError
-    from rltune.launch.job import run_job
     from rltune.predict.forecast import forecast_setup
-    from rltune.predict.library import CaseLibrary, case_from_run
-    from rltune.profile.table import stage_table_from_logs
+    from rltune.predict.library import CaseLibrary
+    from rltune.tune.trial import measure_run, record_case
 
     library = CaseLibrary(args.library)
     begun = time.time()
@@ -183,30 +181,18 @@ def main(argv: list[str] | None = None) -> int:
         turn = min((n for n in range(len(todo)) if todo[n]), key=lambda n: (spent[n], n))
         path, job, overrides, run_id = todo[turn].pop(0)
         steps = args.steps or job.limits.steps
-        warmup = min(job.limits.warmup_steps, max(steps - 2, 0))  # keep at least two measured steps
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             cases = library.load(statuses=("ok",))
             forecast = forecast_setup(job, {**job.knobs, **overrides}, library, candidate=run_id) if cases else None
         run_dir = args.runs_dir / run_id.replace("/", "__")
-        started = time.time()
-        result = run_job(job, path, run_dir, overrides, steps)
-        finished = time.time()
-        spent[turn] += finished - started
-        status = "timed_out" if result.timed_out else ("ok" if result.returncode == 0 else "failed")
-        metrics = Path(job.metrics.path.replace("{run_dir}", str(result.run_dir)))
-        try:
-            table, _ = stage_table_from_logs(metrics, job.metrics.format, run_id=run_id, warmup_steps=warmup)
-            case = case_from_run(job, overrides, table, run_id, started, finished, status, forecast, warmup)
-        except (RltuneError, OSError) as exc:  # a run without usable metrics is recorded as failed, with the reason
-            print(f"{run_id}: no usable metrics ({exc}); recorded as failed", file=sys.stderr)
-            if status == "ok":
-                status = "failed"
-            import pyarrow as pa
-
-            case = case_from_run(job, overrides, pa.table({"step": pa.array([], pa.int64())}), run_id, started, finished,
-                                 status, forecast, warmup)
-        library.append(case)
+        run = measure_run(job, path, run_dir, run_id, {**job.knobs, **overrides}, steps)
+        spent[turn] += run.finished_at - run.started_at
+        if not run.ok:
+            print(f"{run_id}: {run.status} ({run.error}); recorded as such", file=sys.stderr)
+        record_case(library, job, run, forecast)
+        case = next(c for c in library.load() if c.run_id == run_id)
+        started, finished = run.started_at, run.finished_at
         done += 1
         fc = f"forecast {forecast.step_s:.3f} s [{forecast.method}]" if forecast else "no forecast"
         got = f"measured {case.step_s:.3f} s" if case.status == "ok" else case.status

@@ -93,7 +93,7 @@ def run_tpe(job, job_path: Path, space: dict, baseline, trials: int, seed: int, 
         return step if step is not None else float("inf")
 
     study.optimize(objective, n_trials=trials)
-    curve = best_curve([r["step_s"] if r["within_limits"] else None for r in records], baseline.median_step_s())
+    curve = best_curve([r["step_s"] if r["within_limits"] else None for r in records], baseline.step_s())
     return {"trials": records, "curve": curve}
 
 
@@ -135,8 +135,8 @@ def main() -> int:
             return 1
         tpe = run_tpe(job, args.job, space, baseline, args.trials, seed, root / f"tpe-s{seed}", args.steps)
         ours = run_rltune(args.job, args.trials, root / f"rltune-s{seed}", args.steps, root / f"rltune-s{seed}" / "cases")
-        seeds.append({"seed": seed, "untuned_step_s": baseline.median_step_s(), "tpe": tpe, "rltune": ours})
-        print(f"seed {seed}: untuned {baseline.median_step_s():.4g} s; TPE best {tpe['curve'][-1]:.4g} s; "
+        seeds.append({"seed": seed, "untuned_step_s": baseline.step_s(), "tpe": tpe, "rltune": ours})
+        print(f"seed {seed}: untuned {baseline.step_s():.4g} s; TPE best {tpe['curve'][-1]:.4g} s; "
               f"rltune best {ours['curve'][-1]:.4g} s", file=sys.stderr)
 
     def summary(name: str) -> dict:

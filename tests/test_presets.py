@@ -89,3 +89,24 @@ def test_knowledge_base_loads_with_enough_fixes_and_maps_reference_knobs():
     assert {f.id for f in split} >= {"gpus_to_training", "gpus_to_rollout"}
     assert all(set(f.overrides) <= set(split_job.launch.knob_map) for f in split)
     assert all(f.source and f.moves for f in knowledge.fixes)
+
+
+def test_every_launcher_has_a_job_preset_and_new_presets_are_found_by_the_glob():
+    launchers = {load_job(p).launch.launcher: p.name for p in JOBS}
+    from rltune.launch import LAUNCHERS
+
+    assert set(LAUNCHERS) - {"torchrun"} <= set(launchers), launchers
+    assert {"cpu-demo-slurm.yaml", "cpu-demo-ray.yaml"} <= {p.name for p in JOBS}
+
+
+@pytest.mark.parametrize("name", ["cpu-demo-slurm.yaml", "cpu-demo-ray.yaml"])
+def test_the_scheduler_demos_are_the_cpu_demo_with_another_launcher(name):
+    import dataclasses
+
+    demo, other = load_job(PRESETS / "cpu-demo.yaml"), load_job(PRESETS / name)
+    launch_fields = {"launcher", "slurm_args", "ray_address", "ray_args"}
+    assert other.launch.launcher != demo.launch.launcher
+    for f in dataclasses.fields(other.launch):
+        if f.name not in launch_fields:
+            assert getattr(other.launch, f.name) == getattr(demo.launch, f.name), f.name
+    assert dataclasses.replace(other, launch=demo.launch) == demo

@@ -8,10 +8,14 @@ import typer
 
 HELP = """Profile, propose, predict and trial round after round; resumable.
 
-Stops when no candidate is forecast limits.min_forecast_gain_pct faster, the trial budget is spent
-or the rounds run out, then writes the tuned preset, the savings by technique and report.html.
-Every decision goes to WORKDIR/journal.jsonl: after a crash or kill -9, run the same command again
-and it goes on where it stopped.
+The untuned job runs limits.baseline_runs times (their spread is the measured noise); then each
+round tries the candidates worth a trial: forecast limits.min_forecast_gain_pct faster, or, while
+the evidence is thin, with a forecast range that reaches that gate. Stops when no candidate's
+forecast or range reaches the gate, the trial budget is spent or the rounds run out, then writes
+the tuned preset, the savings by technique and report.html. Every decision goes to
+WORKDIR/journal.jsonl: after a crash or kill -9, run the same command again (from any directory)
+and it goes on where it stopped: runs still on a SLURM or Ray cluster are followed again, a local
+run left over is cancelled and run again. --parallel K runs up to K candidates of a round at once.
 
 Example:
 
@@ -32,6 +36,7 @@ def register(app: typer.Typer) -> None:
         knowledge: Path = typer.Option(None, "--knowledge", help="knowledge base (default presets/knowledge.yaml)"),
         tuned_dir: Path = typer.Option(Path("presets/tuned"), "--tuned-dir", help="where the tuned preset is written"),
         allow_needs: bool = typer.Option(False, "--allow-needs", help="also try fixes that need hardware beyond the budget"),
+        parallel: int = typer.Option(1, "--parallel", min=1, help="run up to this many trials of a round at once (each its own run or allocation)"),
         live: bool = typer.Option(True, "--live/--no-live", help="live view on stderr"),
         as_json: bool = typer.Option(False, "--json", help="print a machine-readable summary on stdout"),
     ) -> None:
@@ -39,10 +44,11 @@ def register(app: typer.Typer) -> None:
 
         from rltune.tune.auto import AutoLoop
 
-        view = _LiveView(live)
+        view = _LiveView(live, trials)
         loop = AutoLoop(job, workdir, rounds=rounds, trial_budget=trials, max_trials_per_round=per_round, steps=steps,
                         library=library, knowledge=knowledge, tuned_dir=tuned_dir, allow_needs=allow_needs,
-                        on_event=view.update)
+                        parallel=parallel, on_event=view.update)
+        view.workdir = loop.workdir
         with view:
             result = loop.run()
         view.summary(result)
@@ -56,9 +62,11 @@ def register(app: typer.Typer) -> None:
 
 
 class _LiveView:
-    """Round, bottleneck, candidates with forecasts, trial progress and best step, redrawn on each event."""
+    """Round, bottleneck, the running run's progress, candidates with forecast ranges, trials: 80 columns."""
 
-    def __init__(self, enabled: bool):
+    WIDTH = 80
+
+    def __init__(self, enabled: bool, budget: int):
         import time
 
         from rich.console import Console
@@ -66,8 +74,11 @@ class _LiveView:
         self.console = Console(stderr=True)
         self.enabled = enabled and self.console.is_terminal
         self.clock = time.monotonic
-        self.state = {"round": 0, "bottleneck": "-", "candidates": [], "trials": [], "running": None,
-                      "best": None, "untuned": None, "started": None}
+        self.budget = budget
+        self.workdir = None
+        self.state = {"round": 0, "bottleneck": "-", "candidates": [], "trials": [], "running": None, "steps": None,
+                      "metrics": None, "best": None, "untuned": None, "started": None, "role": "", "what": ""}
+        self.progress = _StepCounter()
         self.live = None
 
     def __enter__(self):
@@ -93,10 +104,15 @@ class _LiveView:
         elif kind == "proposed":
             s["round"], s["bottleneck"], s["candidates"] = event["round"], event["limiting_stage"], event["candidates"]
         elif kind == "run_start":
-            s["running"], s["started"] = event["run_id"], self.clock()
+            s["running"], s["started"], s["steps"] = event["run_id"], self.clock(), event.get("steps")
+            s["metrics"] = event.get("metrics_path")
+            s["what"] = (f"baseline run {event.get('repeat', 1)} of {event.get('of', 1)}" if event["role"] == "baseline"
+                         else f"trial {event.get('trial', len(s['trials']) + 1)} of {event.get('of', self.budget)}")
+            self.progress.reset()
         elif kind == "run":
             s["running"] = event["run_id"] if event["state"] == "start" else None
             s["started"] = self.clock()
+            self.progress.reset()
         elif kind == "trial":
             s["trials"].append(event)
             s["running"] = None
@@ -111,47 +127,96 @@ class _LiveView:
     def _line(event: dict) -> str:
         kind = event["event"]
         if kind == "baseline":
-            return f"baseline {event['run_id']}: step {event['step_s']:.3g} s, limited by {event['limiting_stage']}"
+            return f"baseline {event['run_id']}: mean step {event['step_s']:.3g} s, limited by {event['limiting_stage']}"
         if kind == "proposed":
-            return (f"round {event['round']}: {len(event['candidates'])} candidates for {event['limiting_stage']}; "
-                    + ", ".join(f"{c['id']} {c['step_s']:.3g}s" for c in event["candidates"][:4]))
+            picked = f"; trying {event['picked']}" if event.get("picked") else "; none worth a trial"
+            return (f"round {event['round']}: {len(event['candidates'])} candidates for {event['limiting_stage']}"
+                    + picked)
         if kind == "run_start":
-            return f"running {event['run_id']}"
+            return f"running {event['run_id']} ({event.get('steps')} steps)"
         if kind == "trial":
             step = "n/a" if event["step_s"] is None else f"{event['step_s']:.3g} s"
             return f"trial {event['run_id']}: {event['decision']} ({step}) - {event['reason']}"
         if kind in ("round_end", "finish", "run_abandoned", "resume"):
-            return f"{kind}: " + ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("event", "time", "best_knobs"))
+            return f"{kind}: " + ", ".join(f"{k}={v}" for k, v in event.items()
+                                           if k not in ("event", "time", "best_knobs", "savings"))
         return ""
+
+    def _running_line(self) -> str:
+        s = self.state
+        if not s["running"]:
+            return "running: -"
+        elapsed = self.clock() - s["started"]
+        done = self.progress.count(self.workdir, s["metrics"])
+        total = s["steps"]
+        eta = ""
+        if done and total and done < total:
+            eta = f", ETA {elapsed / done * (total - done):.0f} s"
+        steps = f"step {done} of {total}" if total else f"{done} steps"
+        return f"{s['what']}: {s['running']}, {steps}, {elapsed:.0f} s{eta}"
 
     def _render(self):
         from rich.console import Group
         from rich.table import Table
+        from rich.text import Text
 
         s = self.state
-        head = Table.grid(padding=(0, 2))
         best = "-" if s["best"] is None else f"{s['best']:.3g} s"
         speedup = f" ({s['untuned'] / s['best']:.2f}x)" if s["best"] and s["untuned"] else ""
-        running = "-"
-        if s["running"]:
-            running = f"{s['running']} ({self.clock() - s['started']:.0f} s)"
-        head.add_row(f"round {s['round']}", f"bottleneck: {s['bottleneck']}", f"best step: {best}{speedup}",
-                     f"trials: {len(s['trials'])}", f"running: {running}")
-        cands = Table(title="candidates (forecast)")
-        for name in ("id", "fixes", "step s", "gain %", "limited by"):
-            cands.add_column(name)
-        for c in s["candidates"][:8]:
-            cands.add_row(c["id"], ", ".join(c["fixes"]), f"{c['step_s']:.3g}", f"{c['gain_pct']:.1f}", c["limiting_stage"])
-        trials = Table(title="trials")
-        for name in ("run", "decision", "step s", "forecast s", "reason"):
-            trials.add_column(name)
+        head = Text(f"round {s['round']} | limited by {s['bottleneck']} | best {best}{speedup} | "
+                    f"trials {len(s['trials'])}/{self.budget}", no_wrap=True, overflow="ellipsis")
+        running = Text(self._running_line(), no_wrap=True, overflow="ellipsis")
+        cands = Table(title="candidates (forecast)", width=self.WIDTH, title_justify="left")
+        for name, width in (("id", 7), ("fixes", 32), ("step s", 7), ("range s", 13), ("gain%", 6), ("worth", 5)):
+            cands.add_column(name, max_width=width, no_wrap=True, overflow="ellipsis")
+        for c in s["candidates"][:6]:
+            lo, hi = c.get("range_s") or (c["step_s"], c["step_s"])
+            cands.add_row(c["id"], ", ".join(c["fixes"]), f"{c['step_s']:.3g}", f"{lo:.3g}-{hi:.3g}",
+                          f"{c['gain_pct']:.1f}", c.get("worth", ""))
+        trials = Table(title="trials", width=self.WIDTH, title_justify="left")
+        for name, width in (("run", 16), ("decision", 8), ("step s", 7), ("forecast", 13), ("reason", 28)):
+            trials.add_column(name, max_width=width, no_wrap=True, overflow="ellipsis")
         for t in s["trials"][-6:]:
-            trials.add_row(t["run_id"], t["decision"], "n/a" if t["step_s"] is None else f"{t['step_s']:.3g}",
-                           f"{t['forecast_step_s']:.3g}" if t.get("forecast_step_s") else "-", t["reason"][:60])
-        return Group(head, cands, trials)
+            fc = t.get("forecast_range_s")
+            forecast = f"{fc[0]:.3g}-{fc[1]:.3g}" if fc else "-"
+            trials.add_row(t["run_id"], t["decision"], "n/a" if t["step_s"] is None else f"{t['step_s']:.3g}", forecast,
+                           t["reason"])
+        return Group(head, running, cands, trials)
 
     def summary(self, result) -> None:
         speed = f"{result.speedup:.2f}x" if result.speedup else "n/a"
-        self.console.print(f"stopped: {result.reason}. untuned {result.untuned_step_s:.3g} s -> best {result.best_step_s:.3g} s "
-                           f"({speed}) in {result.trials} trials; tuned preset {result.tuned_preset}",
-                           markup=False, highlight=False)
+        untuned = "n/a" if result.untuned_step_s is None else f"{result.untuned_step_s:.3g} s"
+        best = "n/a" if result.best_step_s is None else f"{result.best_step_s:.3g} s"
+        self.console.print(f"stopped: {result.reason}. untuned {untuned} -> best {best} (mean step, {speed}) in "
+                           f"{result.trials} trials; tuned preset {result.tuned_preset}", markup=False, highlight=False)
+
+
+class _StepCounter:
+    """How many steps the running run has written, read from its metrics file at most every 2 s."""
+
+    EVERY_S = 2.0
+
+    def __init__(self):
+        import time
+
+        self.clock = time.monotonic
+        self.reset()
+
+    def reset(self) -> None:
+        self.last, self.value = -1e9, 0
+
+    def count(self, workdir, metrics: str | None) -> int:
+        if not metrics or self.clock() - self.last < self.EVERY_S:
+            return self.value
+        from pathlib import Path
+
+        self.last = self.clock()
+        path = Path(metrics)
+        if not path.is_absolute() and workdir is not None:
+            path = Path(workdir) / path
+        try:
+            with open(path, "rb") as handle:
+                self.value = sum(1 for line in handle if line.strip().startswith(b"{"))
+        except OSError:
+            pass
+        return self.value

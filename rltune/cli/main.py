@@ -3,7 +3,11 @@
 Each command lives in its own module under ``rltune.cli`` and exposes ``register(app)``. Those
 modules import only typer at import time; torch, triton, scipy and pyarrow load inside a command's
 body, so ``rltune --help`` stays fast. Every :class:`~rltune.errors.RltuneError` that reaches here
-becomes one line on stderr and exit code 2.
+becomes one line on stderr and its exit code.
+
+Exit codes: 0 done (a trial: kept); 2 bad input (a file, field or option rltune cannot use; the
+line names it and the fix); 3 a trial was rejected (a limit failed); 4 the job itself failed
+(crashed, timed out, or measured nothing); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -35,10 +39,11 @@ for _name in COMMANDS:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; return the process exit code."""
     try:
-        app(args=argv, prog_name="rltune", standalone_mode=False)
+        # Outside standalone mode click returns the code of a typer.Exit instead of raising it.
+        code = app(args=argv, prog_name="rltune", standalone_mode=False)
     except RltuneError as exc:
         print(f"rltune: {exc}", file=sys.stderr)
-        return 2
+        return getattr(exc, "exit_code", 2)
     except KeyboardInterrupt:
         print("rltune: interrupted", file=sys.stderr)
         return 130
@@ -54,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, aborts):
             return 1
         raise
-    return 0
+    return code if isinstance(code, int) else 0
 
 
 def _click_error_types() -> tuple[tuple[type, ...], tuple[type, ...]]:

@@ -9,10 +9,13 @@ import typer
 HELP = """Forecast each candidate's stage and step times from the case library and the theory model.
 
 Each candidate is forecast from an anchor (a measured run of the same job with a similar setup),
-else from similar runs scaled by the theory model, else from theory alone. Candidates are ranked
-fastest first; those forecast at least limits.min_forecast_gain_pct (5 %) faster than the
-baseline are marked worth a trial. The ranked table (the fastest 25) goes to stderr, every
-forecast to forecast.yaml (--out) and to --json.
+else from similar runs scaled by the theory model, else from theory alone. The baseline's own
+run is recorded in the library first (from the candidates' baseline_dir), so gains are against
+its measured step. Candidates are ranked in the order to try them; those forecast at least
+limits.min_forecast_gain_pct (5 %) faster, or whose range reaches that gate while the evidence is
+thin, are marked worth a trial. The ranked table (25 rows) goes to stderr, every forecast to
+forecast.yaml (--out) and to --json. The library must exist (rltune profile --library or rltune
+auto make one); --new-library starts one.
 
 Example:
 
@@ -35,6 +38,7 @@ def register(app: typer.Typer) -> None:
         library: Path = typer.Option(Path("cases"), "--library", help="case library directory"),
         job: Path = typer.Option(None, "--job", help="job.yaml (default: the one the candidates file names)"),
         out: Path = typer.Option(None, "--out", help="write forecast.yaml here"),
+        new_library: bool = typer.Option(False, "--new-library", help="create --library if it does not exist"),
         json_out: bool = typer.Option(False, "--json", help="print a machine-readable summary on stdout"),
     ) -> None:
         import json
@@ -45,26 +49,41 @@ def register(app: typer.Typer) -> None:
         from rltune.contracts.forecast import save_forecast
         from rltune.contracts.job import load_job
         from rltune.predict.forecast import forecast_candidates
-        from rltune.predict.library import CaseLibrary, CorruptCaseWarning
+        from rltune.predict.library import (
+            CaseLibrary,
+            CorruptCaseWarning,
+            LibraryMissingError,
+            record_baseline,
+        )
 
         cands = load_candidates(candidates)
         job_path = job or _resolve_job(candidates, cands.job)
         job_spec = load_job(job_path)
+        if not library.is_dir():
+            if not new_library:
+                raise LibraryMissingError(f"--library {library}: no such case library; point it at the one 'rltune profile "
+                                          "--library' or 'rltune auto' wrote, or pass --new-library to start one")
+            library.mkdir(parents=True)
         lib = CaseLibrary(library)
+        recorded = record_baseline(lib, cands, job_spec)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", CorruptCaseWarning)
             result = forecast_candidates(job_spec, cands, lib, job_path=str(job_path), candidates_file=str(candidates),
                                          library_path=str(library))
         for w in caught:
             print(f"rltune: warning: {w.message}", file=sys.stderr)
+        if recorded:
+            print(f"rltune: recorded the baseline run {cands.baseline_run} as a case in {library}", file=sys.stderr)
         if out is not None:
             save_forecast(result, out)
         _print_table(result, job_spec.limits.min_forecast_gain_pct)
         if json_out:
             print(json.dumps({
-                "baseline_step_s": result.baseline_step_s, "out": str(out) if out else None, "skipped_cases": len(lib.skipped),
+                "baseline_step_s": result.baseline_step_s, "baseline_run": result.baseline_run,
+                "baseline_method": result.baseline_method, "out": str(out) if out else None, "skipped_cases": len(lib.skipped),
                 "forecasts": [{"candidate": f.candidate, "step_s": f.step_s, "range_s": f.range_s, "gain_pct": f.gain_pct,
-                               "worth_trial": f.worth_trial, "method": f.method, "limiting_stage": f.limiting_stage}
+                               "worth_trial": f.worth_trial, "worth": f.worth, "method": f.method,
+                               "limiting_stage": f.limiting_stage}
                               for f in result.forecasts],
             }))
 
@@ -78,10 +97,13 @@ def _print_table(result, min_gain: float) -> None:
 
     hidden = max(len(result.forecasts) - TABLE_ROWS, 0)
     more = f"; {hidden} slower ones not shown" if hidden else ""
-    table = Table(title=f"forecast against baseline {result.baseline_step_s:.3f} s (marked: >= {min_gain:g} % faster{more})")
+    table = Table(title=f"forecast against baseline {result.baseline_run or ''} {result.baseline_step_s:.3f} s "
+                        f"({result.baseline_method}); worth a trial: >= {min_gain:g} % faster (*) or its range reaches it "
+                        f"(~){more}")
     for col in ("", "candidate", "step s", "range s", "gain %", "limited by", "method", "uncertain"):
         table.add_column(col)
     for f in result.forecasts[:TABLE_ROWS]:
-        table.add_row("*" if f.worth_trial else "", f.candidate, f"{f.step_s:.3f}", f"{f.range_s[0]:.3f}-{f.range_s[1]:.3f}",
+        mark = {"point": "*", "range": "~"}.get(f.worth, "")
+        table.add_row(mark, f.candidate, f"{f.step_s:.3f}", f"{f.range_s[0]:.3f}-{f.range_s[1]:.3f}",
                       f"{f.gain_pct:+.1f}", f.limiting_stage, f.method, ", ".join(f.uncertain))
     Console(stderr=True).print(table)

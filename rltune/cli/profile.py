@@ -16,8 +16,8 @@ HELP = """Time each stage of a job's step and diagnose what limits it.
 
 Runs JOB.yaml through its launcher for --steps steps (warm-up steps kept but marked) and writes
 stages.parquet, diagnosis.yaml and the resolved job.yaml into the run directory; or, with
---from-logs, reads an existing log of verl, prime-rl, slime, OpenRLHF, TRL, NeMo-RL, vLLM /metrics
-or the reference workload without running anything.
+--from-logs, reads an existing log of verl, prime-rl, slime, OpenRLHF, TRL, NeMo-RL, SkyRL,
+ms-swift, AReaL, vLLM /metrics or the reference workload without running anything.
 
 Example:
 
@@ -26,7 +26,8 @@ Example:
   rltune profile --from-logs verl.log --format auto --rl-mode sync --out runs/verl-7b
 """
 
-FORMAT_CHOICES = ("auto", "rltune", "verl", "prime-rl", "slime", "openrlhf", "trl", "nemo-rl", "vllm")
+FORMAT_CHOICES = ("auto", "rltune", "verl", "prime-rl", "slime", "openrlhf", "trl", "nemo-rl", "skyrl", "ms-swift",
+                  "areal", "vllm")
 SUMMARY_COLUMNS = ("step_s", "rollout_s", "training_s", "old_logprob_s", "weight_sync_s", "wait_s",
                    "engine_queue_s", "engine_prefill_s", "engine_decode_s", "sandbox_setup_s", "sandbox_exec_s",
                    "trainer_busy_frac", "padding_frac", "kv_cache_usage", "reward")
@@ -54,6 +55,7 @@ def _parse_sets(values: list[str]) -> dict:
 
 def _print_summary(diagnosis, report, run_dir: Path, warnings: list[str]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console(stderr=True)
@@ -61,7 +63,8 @@ def _print_summary(diagnosis, report, run_dir: Path, warnings: list[str]) -> Non
         console.print(f"[bold]{report.path}[/]: format [cyan]{report.format}[/], {report.steps} steps, "
                       f"{report.lines_used} lines used, {report.lines_skipped} skipped")
     for line in warnings:
-        console.print(f"[yellow]warning:[/] {line}")
+        # Warnings quote log text ('trainer.logger=[console]'); rich must not read it as markup.
+        console.print(f"[yellow]warning:[/] {escape(line)}")
     if diagnosis is None:
         console.print(f"stage table written to {run_dir}")
         return
@@ -73,7 +76,8 @@ def _print_summary(diagnosis, report, run_dir: Path, warnings: list[str]) -> Non
         if s is not None:
             table.add_row(column, f"{s.median_s:.4g}", f"{s.p10_s:.4g}", f"{s.p90_s:.4g}")
     console.print(table)
-    console.print(f"step median [bold]{diagnosis.step_median_s:.4g} s[/], RL-mode rule "
+    mean = f"step mean [bold]{diagnosis.step_mean_s:.4g} s[/], " if diagnosis.step_mean_s is not None else ""
+    console.print(f"{mean}step median {diagnosis.step_median_s:.4g} s, RL-mode rule "
                   f"{diagnosis.step_model_s:.4g} s, limiting stage: [bold red]{diagnosis.limiting_stage}[/]")
     for note in diagnosis.notes:
         console.print(f"  note: {note}")
@@ -103,6 +107,7 @@ def _summary_json(diagnosis, report, run_dir: Path, warnings: list[str]) -> str:
             "run_id": diagnosis.run_id,
             "rl_mode": diagnosis.rl_mode,
             "steps_used": diagnosis.steps_used,
+            "step_mean_s": diagnosis.step_mean_s,
             "step_median_s": diagnosis.step_median_s,
             "step_model_s": diagnosis.step_model_s,
             "limiting_stage": diagnosis.limiting_stage,
@@ -120,11 +125,12 @@ def register(app: typer.Typer) -> None:
         steps: Optional[int] = typer.Option(None, "--steps", min=1, help="steps to run (default: the job's limits.steps)"),  # noqa: UP045
         out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/<new id>)"),  # noqa: UP045
         sets: list[str] = typer.Option([], "--set", help="knob=value override of an abstract knob (repeatable)"),
+        library: Optional[Path] = typer.Option(None, "--library", help="record the run as a case in this case library (created if absent)"),  # noqa: UP045
         from_logs: Optional[Path] = typer.Option(None, "--from-logs", help="read this log file or folder instead of running"),  # noqa: UP045
         log_format: str = typer.Option("auto", "--format", help="log format: " + ", ".join(FORMAT_CHOICES)),
         rl_mode: Optional[str] = typer.Option(None, "--rl-mode", help="sync | one_step_async | fully_async (default: from the log, else sync)"),  # noqa: UP045
         run_id: Optional[str] = typer.Option(None, "--run-id", help="with --from-logs: the run to diagnose when the logs hold several"),  # noqa: UP045
-        warmup: int = typer.Option(1, "--warmup", min=0, help="with --from-logs: first steps left out of medians"),
+        warmup: int = typer.Option(1, "--warmup", min=0, help="with --from-logs: first steps marked warm-up and left out of medians"),
         as_json: bool = typer.Option(False, "--json", help="print a machine-readable summary on stdout"),
     ) -> None:
         from rltune.errors import RltuneError
@@ -134,15 +140,18 @@ def register(app: typer.Typer) -> None:
         if log_format not in FORMAT_CHOICES:
             raise RltuneError(f"--format {log_format!r}: expected one of {', '.join(FORMAT_CHOICES)}")
         if job is not None:
-            diagnosis, report, run_dir, warnings = _run_job(job, steps, out, _parse_sets(sets), as_json)
+            run = _run_job(job, steps, out, _parse_sets(sets), library)
         else:
-            diagnosis, report, run_dir, warnings = _from_logs(from_logs, log_format, rl_mode, run_id, warmup, out)
+            if library is not None:
+                raise RltuneError("--library records runs rltune launched; a log read with --from-logs has no job.yaml "
+                                  "to make a case from")
+            run = _from_logs(from_logs, log_format, rl_mode, run_id, warmup, out)
         if as_json:
-            print(_summary_json(diagnosis, report, run_dir, warnings))
-        _print_summary(diagnosis, report, run_dir, warnings)
+            print(_summary_json(run.diagnosis, run.report if from_logs else None, run.run_dir, run.warnings))
+        _print_summary(run.diagnosis, run.report if from_logs else None, run.run_dir, run.warnings)
 
 
-def _run_job(job_path: Path, steps, out, overrides: dict, quiet: bool):
+def _run_job(job_path: Path, steps, out, overrides: dict, library: Path | None):
     import sys
 
     from rltune.contracts.job import load_job
@@ -155,36 +164,19 @@ def _run_job(job_path: Path, steps, out, overrides: dict, quiet: bool):
     def echo(line: str) -> None:
         print(f"  | {line}", file=sys.stderr)
 
-    result = profile_job(job_path, run_dir, steps=steps, overrides=overrides or None, on_output=echo)
-    return result.diagnosis, None, result.run_dir, []
+    run = profile_job(job_path, run_dir, steps=steps, overrides=overrides or None, on_output=echo)
+    if library is not None:
+        from rltune.predict.library import CaseLibrary
+        from rltune.tune.trial import record_case
+
+        record_case(CaseLibrary(library), job, run, None)
+        run.warnings.append(f"recorded as case {run.run_id} in {library}")
+    return run
 
 
 def _from_logs(path: Path, log_format: str, rl_mode, run_id, warmup: int, out):
-    import json
+    from rltune.launch import new_run_id
+    from rltune.profile import record_logs
 
-    from rltune.contracts.diagnosis import save_diagnosis
-    from rltune.contracts.stages import write_stages
-    from rltune.launch import new_run_dir
-    from rltune.profile import NotDiagnosableError, diagnose, infer_rl_mode, stage_table_from_logs
-
-    table, report = stage_table_from_logs(path, format=log_format, warmup_steps=0)
-    run_dir = out if out is not None else new_run_dir(path.stem)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_stages(table, run_dir / "stages.parquet")
-    (run_dir / "parse_report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
-    warnings = list(report.warnings)
-    if rl_mode is None:
-        inferred = infer_rl_mode(table)
-        rl_mode = inferred[0] if inferred else "sync"
-        warnings.append(f"RL mode {rl_mode}: {inferred[1]}" if inferred else "RL mode sync assumed; pass --rl-mode")
-    runs = sorted(set(table.column("run_id").to_pylist()))
-    if run_id is None and len(runs) > 1:
-        warnings.append(f"{len(runs)} runs in these logs: no diagnosis written; pick one with --run-id")
-        return None, report, run_dir, warnings
-    try:
-        diagnosis = diagnose(table, rl_mode, warmup_steps=warmup, run_id=run_id)
-    except NotDiagnosableError as exc:
-        warnings.append(f"no diagnosis: {exc}")
-        return None, report, run_dir, warnings
-    save_diagnosis(diagnosis, run_dir / "diagnosis.yaml")
-    return diagnosis, report, run_dir, warnings
+    run_dir = out if out is not None else Path("runs") / new_run_id(path.stem)
+    return record_logs(path, run_dir, log_format=log_format, rl_mode=rl_mode, run_id=run_id, warmup=warmup)

@@ -9,10 +9,15 @@ import typer
 HELP = """Run a forecast candidate for real and keep it only if it beats noise within the limits.
 
 The candidate runs through the job's launcher for limits.steps steps (or --steps), is timed on the
-same steps as the baseline of its candidates.yaml, and must be faster by more than
-limits.noise_pct (a smaller gain is measured again first) with the trainer-rollout gap, sample
-age and trial shares within their limits. verdict.yaml lands in the run directory and the run
-joins the case library with the forecast made before it.
+same steps as the baseline of its candidates.yaml, and its mean step must be faster by more than
+the noise -- the baseline's measured spread, at least limits.noise_pct (a smaller gain is measured
+again first) -- with the trainer-rollout gap, sample age and trial shares within their limits.
+verdict.yaml lands in the run directory and the run joins the case library with the forecast
+made before it. Without --candidate it runs the one 'rltune auto' would: the first worth a trial
+in the forecast's order that the library has not measured and that holds no crashed setting.
+
+Exit code: 0 kept, 3 rejected (a limit failed), 4 the job failed (crashed, timed out or measured
+nothing), 2 bad input.
 
 Example:
 
@@ -41,42 +46,68 @@ def register(app: typer.Typer) -> None:
         from rltune.errors import RltuneError
         from rltune.launch import new_run_id
         from rltune.predict.library import CaseLibrary
-        from rltune.tune.trial import run_trial
+        from rltune.tune.limits import measured_noise
+        from rltune.tune.trial import Baseline, run_trial
 
         spec = load_job(job)
         predicted = load_forecast(forecast)
-        candidates = load_candidates(Path(predicted.candidates_file))
+        candidates = load_candidates(_beside(forecast, predicted.candidates_file))
         if not candidates.baseline_dir:
             raise RltuneError(f"{predicted.candidates_file}: baseline_dir: not set; run 'rltune propose' on the "
                               f"diagnosis.yaml inside the baseline's run directory")
+        lib = CaseLibrary(library or predicted.library)
         if candidate is None:
-            pick = next((f for f in predicted.forecasts if f.gain_pct >= spec.limits.min_forecast_gain_pct), None)
-            if pick is None:
-                raise RltuneError(f"{forecast}: no candidate is forecast >= {spec.limits.min_forecast_gain_pct:g}% faster; "
-                                  f"name one with --candidate to run it anyway")
+            pick_fc = _pick(spec, predicted, candidates, lib)
+            if pick_fc is None:
+                raise RltuneError(f"{forecast}: no candidate worth a trial is left (none reaches the "
+                                  f"{spec.limits.min_forecast_gain_pct:g}% gate, even at the low end of its range, "
+                                  f"or the library measured it); name one with --candidate to run it anyway")
         else:
-            pick = next((f for f in predicted.forecasts if f.candidate == candidate), None)
-            if pick is None:
+            pick_fc = next((f for f in predicted.forecasts if f.candidate == candidate), None)
+            if pick_fc is None:
                 known = ", ".join(f.candidate for f in predicted.forecasts)
                 raise RltuneError(f"{forecast}: no candidate {candidate!r}; the file has {known}")
         baseline_dir = Path(candidates.baseline_dir)
         untuned_dir = Path(candidates.untuned_dir or candidates.baseline_dir)
-        run_id = new_run_id(f"{spec.name}-{pick.candidate}")
-        outcome = run_trial(
-            spec, job, pick, baseline_knobs=candidates.baseline_knobs, baseline_run=candidates.baseline_run,
-            baseline_rows=read_stages(baseline_dir / "stages.parquet").to_pylist(), untuned_run=untuned_dir.name,
-            untuned_rows=read_stages(untuned_dir / "stages.parquet").to_pylist(),
-            library=CaseLibrary(library or predicted.library), run_root=runs_root, run_id=run_id, steps=steps,
-            remeasure=not no_remeasure)
+        untuned_rows = read_stages(untuned_dir / "stages.parquet").to_pylist()
+        baseline = Baseline(run_id=candidates.baseline_run, rows=read_stages(baseline_dir / "stages.parquet").to_pylist(),
+                            untuned_run=untuned_dir.name, untuned_rows=untuned_rows,
+                            untuned_noise_pct=measured_noise(spec.limits, untuned_rows).measured_pct)
+        run_id = new_run_id(f"{spec.name}-{pick_fc.candidate}")
+        outcome = run_trial(spec, job, pick_fc, baseline_knobs=candidates.baseline_knobs, baseline=baseline,
+                            library=lib, run_root=runs_root, run_id=run_id, steps=steps, remeasure=not no_remeasure)
         verdict = outcome.verdict
         _show(verdict)
         path = Path(runs_root) / run_id / "verdict.yaml"
         if as_json:
             print(json.dumps({"verdict": str(path), "decision": verdict.decision, "step_s": verdict.step_s,
-                              "baseline_step_s": verdict.baseline_step_s, "gain_pct": verdict.gain_pct,
-                              "failed_limits": [c.name for c in verdict.limits if not c.passed]}))
+                              "median_s": verdict.median_s, "baseline_step_s": verdict.baseline_step_s,
+                              "gain_pct": verdict.gain_pct, "noise_pct": verdict.noise_pct,
+                              "failed_limits": [c.name for c in verdict.limits if c.passed is False],
+                              "unmeasured_limits": [c.name for c in verdict.limits if c.passed is None]}))
         else:
             typer.echo(str(path))
+        if outcome.exit_code:
+            raise typer.Exit(outcome.exit_code)
+
+
+def _beside(forecast: Path, named: str) -> Path:
+    """A file a forecast names: as written, else beside the forecast file."""
+    direct = Path(named)
+    if direct.is_absolute() or direct.exists():
+        return direct
+    beside = forecast.parent / direct.name
+    return beside if beside.exists() else direct
+
+
+def _pick(spec, predicted, candidates, lib):
+    """The candidate 'rltune auto' would run next, with what the library measured of this job."""
+    from rltune.tune.pick import failed_settings, pick
+
+    records = [r for r in lib.load() if r.job == spec.name] if lib.path.is_dir() else []
+    measured = [({**spec.knobs, **r.knobs}, "failed" if r.status != "ok" else "ok") for r in records]
+    return pick(predicted, candidates.baseline_knobs, failed=failed_settings(measured),
+                tried=[candidates.baseline_knobs, *[knobs for knobs, _ in measured]])
 
 
 def _show(verdict) -> None:
@@ -88,7 +119,8 @@ def _show(verdict) -> None:
         table.add_column(name)
     for check in verdict.limits:
         table.add_row(check.name, "n/a" if check.value is None else f"{check.value:.4g}",
-                      "n/a" if check.threshold is None else f"{check.threshold:.4g}", "yes" if check.passed else "NO")
+                      "n/a" if check.threshold is None else f"{check.threshold:.4g}",
+                      "not measured" if check.passed is None else "yes" if check.passed else "NO")
     console = Console(stderr=True)
     console.print(table)
     if verdict.log_tail:

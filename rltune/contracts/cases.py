@@ -11,8 +11,10 @@ Column families (the Parquet schema is the union of these):
 - ``fact.<name>`` -- model and workload facts, float64 (``fact.model_dtype`` is a string);
 - ``knob.<name>`` -- one string column per knob holding the value as JSON (``4``, ``true``,
   ``"sync"``), so that a knob keeps one column type across files written years apart;
-- ``measured.<column>`` -- median over the measured steps of each stage-table column
-  (``measured.step_s``, ``measured.rollout_s``, ... and whatever finer columns the source had);
+- ``measured.<column>`` -- mean over the measured steps of each stage-table column
+  (``measured.step_s``, ``measured.rollout_s``, ... and whatever finer columns the source had),
+  and ``measured.step_median_s``; the fixed column ``statistic`` says 'mean' (older cases, with
+  ``statistic`` null, hold medians);
 - ``forecast.<field>`` -- the forecast made before the run (null when none was made).
 
 The file's key-value metadata carries ``rltune.schema_version`` and ``rltune.artifact=case``.
@@ -56,8 +58,10 @@ FIXED_COLUMNS: list[tuple[str, str, bool, str]] = [
     ("measured_steps", "int64", False, "steps the medians are taken over"),
     ("step_noise_frac", "float64", True, "robust relative spread of step_s over the measured steps (1.4826 MAD / median)"),
     ("source", "string", True, "log format the metrics came from"),
+    ("statistic", "string", True, "how measured.* summarise the measured steps: 'mean' (null: 'median', cases written before means)"),
 ]
 FIXED_NAMES = [c[0] for c in FIXED_COLUMNS]
+OPTIONAL_COLUMNS = ("step_noise_frac", "source", "statistic")  # absent from files written before they existed
 
 # Facts the theory model and the similarity distance read (name, kind, doc).
 FACT_COLUMNS: list[tuple[str, str, str]] = [
@@ -114,6 +118,7 @@ class CaseRecord:
     forecast: dict[str, Any] | None = None
     step_noise_frac: float | None = None
     source: str | None = None
+    statistic: str | None = None
 
     @property
     def step_s(self) -> float:
@@ -266,7 +271,7 @@ def validate_table(table: pa.Table, where: str, *, one_row: bool = True) -> None
         if table.schema.field(column).type != expected:
             raise WrongTypeError(where, column, f"expected column type {expected}, found {table.schema.field(column).type}")
     for name, kind, _, _ in FIXED_COLUMNS:
-        if name not in table.column_names and name not in ("step_noise_frac", "source"):
+        if name not in table.column_names and name not in OPTIONAL_COLUMNS:
             raise MissingFieldError(where, name, f"missing column ({kind})")
 
 
@@ -293,7 +298,7 @@ def describe_columns() -> str:
     lines += [f"| `{n}` | {k}{'' if nullable else ', required'} | {d} |" for n, k, nullable, d in FIXED_COLUMNS]
     lines += [f"| `fact.{n}` | {k} | {d} |" for n, k, d in FACT_COLUMNS]
     lines.append("| `knob.<name>` | string (JSON) | value of each abstract knob, e.g. `4`, `true`, `\"sync\"` |")
-    lines.append("| `measured.<column>` | float64 | median over the measured steps of each stage-table column (`step_s`, `rollout_s`, `training_s`, `weight_sync_s` required for ok runs) |")
+    lines.append("| `measured.<column>` | float64 | mean over the measured steps of each stage-table column (median in cases whose `statistic` is null), and `step_median_s` (`step_s`, `rollout_s`, `training_s`, `weight_sync_s` required for ok runs) |")
     lines += [f"| `forecast.{n}` | {k} | {d} (made before the run; null if none) |" for n, k, d in FORECAST_FIELDS]
     return "\n".join(lines)
 

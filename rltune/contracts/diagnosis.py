@@ -43,6 +43,7 @@ class Diagnosis:
     problems: list[Problem] = field(default_factory=list, doc="problems found, worst first")
     stage_medians_s: dict[str, float | None] = field(default_factory=dict, doc="rollout, training (incl. old-logprob pass), weight_sync medians the RL-mode rule used (null: not measured, counted as 0)")
     notes: list[str] = field(default_factory=list, doc="what a reader should know: stages not measured, derived columns, warm-up handling")
+    step_mean_s: float | None = field(None, doc="mean measured step time: the wall time a step costs (null: the source has no step time)")
     job: str | None = field(None, doc="resolved job.yaml of the run, if rltune launched it")
 
 

@@ -1,4 +1,13 @@
-"""forecast.yaml: per candidate, forecast stage times, step time, range and how they were made."""
+"""forecast.yaml: per candidate, forecast stage times, step time, range and how they were made.
+
+Candidates are ranked in the order the tuner tries them: those worth a trial first -- by the
+optimistic end of their range when the evidence is thin (no anchor, or settings neither
+measurements nor theory could estimate), by the point forecast otherwise -- then the rest by
+their point forecast. A candidate is worth a trial when its point forecast is at least
+``limits.min_forecast_gain_pct`` faster than the baseline (``worth: point``), or when only its
+range reaches that gate and it relieves the stage that limits the step (``worth: range``: the
+tuner explores while it is unsure).
+"""
 
 from __future__ import annotations
 
@@ -32,7 +41,10 @@ class CandidateForecast:
     cases: list[CaseWeight] = field(default_factory=list, doc="cases used and their weights")
     uncertain: list[str] = field(default_factory=list, doc="differing settings neither measurements nor theory could estimate")
     gain_pct: float = field(0.0, doc="forecast % faster than the baseline (negative: slower)")
-    worth_trial: bool = field(False, doc="forecast at least limits.min_forecast_gain_pct faster")
+    optimistic_gain_pct: float = field(0.0, doc="% faster at the low end of the range")
+    thin_evidence: bool = field(False, doc="no anchor, or uncertain settings: ranked by the optimistic end of its range")
+    worth: Literal["point", "range", ""] = field("", doc="point: the forecast reaches the gate; range: only its range does and it relieves the limiting stage; '': not worth a trial")
+    worth_trial: bool = field(False, doc="worth a trial (worth is 'point' or 'range')")
 
     def validate(self) -> None:
         if len(self.range_s) != 2 or self.range_s[0] > self.range_s[1]:
@@ -45,8 +57,13 @@ class Forecast:
     job: str = field(doc="path of the job.yaml")
     candidates_file: str = field(doc="candidates.yaml the forecasts were made for")
     library: str = field(doc="case library used")
-    baseline_step_s: float = field(doc="measured (or forecast) baseline step time", min=0)
-    forecasts: list[CandidateForecast] = field(doc="ranked fastest first")
+    baseline_step_s: float = field(doc="the baseline's step time the gains are against (its own measured case when the library holds it)", min=0)
+    forecasts: list[CandidateForecast] = field(doc="in the order to try them (see the module docstring)")
+    baseline_run: str | None = field(None, doc="run id of the baseline the forecasts compare against")
+    baseline_method: str = field("", doc="how baseline_step_s was made: 'measured' (the baseline's own case), else anchor / similar / theory")
+    baseline_stages_s: dict[str, float] = field(default_factory=dict, doc="the baseline's stage seconds, as forecast beside the candidates")
+    limiting_stage: str = field("", doc="the stage group that limits the baseline's step (from its diagnosis)")
+    gate_pct: float = field(0.0, doc="limits.min_forecast_gain_pct: the gain a forecast (or its range) must reach")
 
 
 def load_forecast(path: str | Path) -> Forecast:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import tempfile
@@ -157,6 +158,8 @@ def _convert(tp: Any, value: Any, file: str, path: str, meta: dict | None = None
             value = float(value)  # PyYAML reads '2.0e6' (no exponent sign) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise WrongTypeError(file, path, f"expected a number, found {_describe(value)}")
+        if not math.isfinite(value):
+            raise WrongTypeError(file, path, f"expected a finite number, found {value!r}; give a real value")
         _check_bounds(value, file, path, meta)
         return float(value)
     if tp is str:
@@ -281,11 +284,34 @@ def load_yaml(cls: type[T], path: str | os.PathLike, supported_version: int) -> 
     return from_data(cls, data, str(Path(path)))
 
 
+def current_umask() -> int:
+    """The process's umask (read from /proc where it can be, so no other thread sees it change)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def make_temp_file(directory: str | os.PathLike, name: str) -> tuple[int, str]:
+    """``tempfile.mkstemp`` beside ``name``, with the permissions a plain ``open`` would give (the umask's).
+
+    mkstemp makes files only their owner can read; a file moved into place from it would keep that.
+    """
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    os.fchmod(fd, 0o666 & ~current_umask())
+    return fd, tmp
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` so that a crash leaves either the old file or the new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = make_temp_file(path.parent, path.name)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)

@@ -281,7 +281,7 @@ _LEARNED_CACHE: dict[str, tuple[TheoryModel, KnobEffects]] = {}
 _FIT_CACHE = _LEARNED_CACHE  # older name, still cleared by callers that want a cold start
 MODEL_CACHE_NAME = "_model.json"
 THEORY_CACHE_NAME = MODEL_CACHE_NAME
-MODEL_CACHE_FORMAT = 6  # bump when the fit or the effects change meaning: old caches are then refit
+MODEL_CACHE_FORMAT = 7  # bump when the fit or the effects change meaning: old caches are then refit
 
 
 def _learned_key(model: TheoryModel, cases: Sequence[CaseRecord], fit: bool) -> str:
@@ -447,7 +447,17 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool,
             current = current.with_setting(name, b)
             continue
         if name == "rl_mode":  # the rule itself says how stages combine under another mode
+            moved = current.with_setting(name, b)
+            if collect is not None:
+                collect += (moved, current)
+                current = moved
+                continue
+            # The theory moves the stages the mode changes: the fitted overlap slowdowns, and in fully
+            # async mode the rollout that runs ahead (several batches generated at once).
+            seen = p.has_seen(target.device, name, b)
+            ratio = p.theory_ratio(moved, current) if seen else p.prior_ratio(moved, current)
             before = combine(str(a), *(stages[s] for s in STAGES))[0]
+            stages = {s: stages[s] * ratio[s] for s in STAGES}
             after = combine(str(b), *(stages[s] for s in STAGES))[0]
             step = step * (after / before if before > 0 else 1.0)
             # The rule assumes rollout and training overlap on separate devices; on a CPU-only job they
@@ -578,7 +588,11 @@ def forecast_setup(job: JobSpec, knobs: dict[str, Any], cases: CaseLibrary | Seq
 def forecast_candidates(job: JobSpec, candidates: Candidates, library: CaseLibrary | Sequence[CaseRecord] | Prepared,
                         baseline_knobs: dict[str, Any] | None = None, *, theory: TheoryModel | None = None,
                         job_path: str = "", candidates_file: str = "", library_path: str = "") -> Forecast:
-    """Forecast every candidate, rank them fastest first and mark those worth a trial."""
+    """Forecast every candidate and the baseline beside them; rank them in the order to try them.
+
+    Gains are against the baseline as the same library forecasts it -- which, when the library
+    holds the baseline's own run (as ``auto`` and ``predict`` make sure), is its measured step.
+    """
     p = library if isinstance(library, Prepared) else prepare(
         as_cases(library if isinstance(library, CaseLibrary) else list(library)), theory,
         cache_dir=library.path if isinstance(library, CaseLibrary) and library.path.is_dir() else None)
@@ -587,22 +601,51 @@ def forecast_candidates(job: JobSpec, candidates: Candidates, library: CaseLibra
     targets = [setup_from_job(job, {**base_knobs, **cand.overrides}) for cand in candidates.candidates]
     p.remember_theory([base_setup, *targets])
     baseline = forecast_prepared(p, base_setup, "baseline", {})
-    forecasts = []
-    for cand, target in zip(candidates.candidates, targets, strict=True):
-        fc = forecast_prepared(p, target, cand.id, cand.overrides)
-        finish(fc, baseline.step_s, job.limits.min_forecast_gain_pct)
-        forecasts.append(fc)
-    forecasts.sort(key=lambda f: (f.step_s, f.candidate))
+    gate = job.limits.min_forecast_gain_pct
+    forecasts = [finish(forecast_prepared(p, target, cand.id, cand.overrides), baseline, gate, candidates.limiting_stage)
+                 for cand, target in zip(candidates.candidates, targets, strict=True)]
+    forecasts.sort(key=rank_key)
+    measured = bool(baseline.cases) and all(c.distance == 0 for c in baseline.cases)
     return Forecast(schema_version=FORECAST_SCHEMA_VERSION, job=job_path or job.name, candidates_file=candidates_file,
-                    library=library_path or str(getattr(library, "path", "")), baseline_step_s=baseline.step_s, forecasts=forecasts)
+                    library=library_path or str(getattr(library, "path", "")), baseline_step_s=baseline.step_s,
+                    baseline_run=candidates.baseline_run, baseline_method="measured" if measured else baseline.method,
+                    baseline_stages_s=dict(baseline.stages_s), limiting_stage=candidates.limiting_stage, gate_pct=gate,
+                    forecasts=forecasts)
 
 
-def finish(fc: CandidateForecast, baseline_step_s: float, min_gain_pct: float) -> CandidateForecast:
-    """Set gain against the baseline and whether the candidate is worth a trial."""
-    fc.gain_pct = round(100.0 * (baseline_step_s - fc.step_s) / baseline_step_s, 4) if baseline_step_s > 0 else 0.0
-    fc.worth_trial = fc.gain_pct >= min_gain_pct
+def group_seconds(fc: CandidateForecast, group: str) -> float | None:
+    """Forecast seconds of a step-time group ('rollout', 'training', 'training+weight_sync', ...)."""
+    parts = [fc.stages_s.get(name) for name in group.split("+")]
+    return None if any(v is None for v in parts) else float(sum(parts))
+
+
+def finish(fc: CandidateForecast, baseline: CandidateForecast | float, min_gain_pct: float,
+           limiting_stage: str = "") -> CandidateForecast:
+    """Set the gains against the baseline and whether (and why) the candidate is worth a trial.
+
+    Worth a trial: the point forecast reaches the gate ('point'); or only the optimistic end of
+    its range does, and it relieves the stage that limits the baseline (that group's forecast
+    seconds drop) or its point forecast is still faster ('range').
+    """
+    base_step = baseline if isinstance(baseline, (int, float)) else baseline.step_s
+    fc.gain_pct = round(100.0 * (base_step - fc.step_s) / base_step, 4) if base_step > 0 else 0.0
+    fc.optimistic_gain_pct = round(100.0 * (base_step - fc.range_s[0]) / base_step, 4) if base_step > 0 else 0.0
+    fc.thin_evidence = fc.method != "anchor" or bool(fc.uncertain)
+    relieves = fc.gain_pct > 0
+    if not relieves and limiting_stage and not isinstance(baseline, (int, float)):
+        ours, theirs = group_seconds(fc, limiting_stage), group_seconds(baseline, limiting_stage)
+        relieves = ours is not None and theirs is not None and ours < theirs
+    fc.worth = "point" if fc.gain_pct >= min_gain_pct else "range" if fc.optimistic_gain_pct >= min_gain_pct and relieves else ""
+    fc.worth_trial = bool(fc.worth)
     return fc
 
 
-__all__ = ["ANCHOR_UNCERTAINTY_BUDGET", "Prepared", "finish", "forecast_candidates", "forecast_prepared", "forecast_setup", "prepare",
-           "range_calibration"]
+def rank_key(fc: CandidateForecast) -> tuple:
+    """Order of trial: worth a trial first, by the optimistic end when the evidence is thin, else by the point."""
+    if fc.worth_trial:
+        return (0, fc.range_s[0] if fc.thin_evidence else fc.step_s, fc.step_s, fc.candidate)
+    return (1, fc.step_s, fc.step_s, fc.candidate)
+
+
+__all__ = ["ANCHOR_UNCERTAINTY_BUDGET", "Prepared", "finish", "forecast_candidates", "forecast_prepared", "forecast_setup",
+           "group_seconds", "prepare", "range_calibration", "rank_key"]

@@ -30,7 +30,6 @@ import math
 import os
 import re
 import statistics
-import tempfile
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,6 +44,7 @@ from rltune.contracts.cases import (
     rows_to_table,
     validate_table,
 )
+from rltune.contracts.schema import make_temp_file
 from rltune.errors import ArtifactError, RltuneError
 
 if TYPE_CHECKING:
@@ -66,6 +66,10 @@ class DuplicateCaseError(RltuneError):
 
 class CaseDataError(RltuneError):
     """A run's metrics cannot make a case (no measured steps, missing stage column)."""
+
+
+class LibraryMissingError(RltuneError):
+    """A case library named on the command line does not exist (a typo would forecast from theory alone)."""
 
 
 def case_file_name(run_id: str) -> str:
@@ -215,7 +219,7 @@ def _write_synced_temp(table: pa.Table, directory: Path, name: str) -> str:
     """
     import pyarrow.parquet as pq
 
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    fd, tmp = make_temp_file(directory, name)
     try:
         with os.fdopen(fd, "wb") as handle:
             pq.write_table(table, handle)
@@ -262,11 +266,13 @@ def job_facts(job: JobSpec) -> dict[str, Any]:
 
 def case_from_run(job: JobSpec, knobs: dict[str, Any], table: pa.Table, run_id: str, started_at: float,
                   finished_at: float, status: str, forecast: CandidateForecast | None, warmup_steps: int) -> CaseRecord:
-    """Make a case from a run's stage table: medians over the same non-warm-up steps of every column.
+    """Make a case from a run's stage table: means over the same non-warm-up steps of every column.
 
     Rows of ``run_id`` are used when the table holds several runs; a row counts as warm-up if its
     ``warmup`` flag is set or it is among the first ``warmup_steps`` steps. For an 'ok' run every
-    stage column must have a value on each measured step, so all medians cover the same steps.
+    stage column must have a value on each measured step, so all means cover the same steps. The
+    mean step is the wall time a step costs (fully async steps alternate, and their median
+    misstates it); ``measured.step_median_s`` keeps the median beside it.
     """
     rows = table.to_pylist()
     if "run_id" in table.column_names and any(r.get("run_id") == run_id for r in rows):
@@ -288,7 +294,9 @@ def case_from_run(job: JobSpec, knobs: dict[str, Any], table: pa.Table, run_id: 
         values = [r[name] for r in measured_rows if isinstance(r.get(name), (int, float)) and not isinstance(r.get(name), bool)
                   and math.isfinite(r[name])]
         if values and len(values) == len(measured_rows):
-            measured[name] = float(statistics.median(values))
+            measured[name] = float(statistics.fmean(values))
+            if name == "step_s":
+                measured["step_median_s"] = float(statistics.median(values))
     noise = None
     steps = [r["step_s"] for r in measured_rows if r.get("step_s") is not None]
     if len(steps) >= 2 and statistics.median(steps) > 0:
@@ -309,10 +317,39 @@ def case_from_run(job: JobSpec, knobs: dict[str, Any], table: pa.Table, run_id: 
         rl_mode=str(merged_knobs.get("rl_mode", "sync")), gpus=job.gpus.count, device=job.gpus.device,
         status=status, started_at=float(started_at), finished_at=float(finished_at), warmup_steps=int(warmup_steps),
         measured_steps=len(measured_rows), facts=job_facts(job), knobs=merged_knobs, measured=measured,
-        forecast=stored_forecast, step_noise_frac=noise, source=_source(table),
+        forecast=stored_forecast, step_noise_frac=noise, source=_source(table), statistic="mean",
     )
     record.validate(run_id)
     return record
+
+
+def record_baseline(library: CaseLibrary, candidates: Any, job: JobSpec) -> bool:
+    """Record the candidates' baseline run (its run directory) as a case unless the library has it.
+
+    Forecasts then compare against the baseline's measured step, not a forecast of it. The run
+    directory's resolved job.yaml gives the knobs it ran with; its stage table's warm-up column
+    the steps. Returns True if a case was written.
+    """
+    from rltune.contracts.job import load_job
+    from rltune.contracts.stages import read_stages
+
+    if not candidates.baseline_dir or library.has(candidates.baseline_run):
+        return False
+    run_dir = Path(candidates.baseline_dir)
+    stages = run_dir / "stages.parquet"
+    if not stages.exists():
+        raise CaseDataError(f"{run_dir}: baseline_dir holds no stages.parquet; profile the baseline into it again")
+    knobs = load_job(run_dir / "job.yaml").knobs if (run_dir / "job.yaml").exists() else dict(candidates.baseline_knobs)
+    finished = stages.stat().st_mtime
+    started = finished
+    launch = run_dir / "launch.json"
+    if launch.exists():
+        import json
+
+        started = finished - float(json.loads(launch.read_text(encoding="utf-8")).get("wall_s") or 0.0)
+    table = read_stages(stages)
+    library.append(case_from_run(job, knobs, table, candidates.baseline_run, started, finished, "ok", None, 0))
+    return True
 
 
 def _source(table: pa.Table) -> str | None:
@@ -330,4 +367,5 @@ def as_cases(library: CaseLibrary | list[CaseRecord] | str | os.PathLike) -> lis
     return library.load(statuses=("ok",))
 
 
-__all__ = ["CaseDataError", "CaseLibrary", "CorruptCaseWarning", "DuplicateCaseError", "as_cases", "case_file_name", "case_from_run", "job_facts"]
+__all__ = ["CaseDataError", "CaseLibrary", "CorruptCaseWarning", "DuplicateCaseError", "LibraryMissingError", "as_cases",
+           "case_file_name", "case_from_run", "job_facts", "record_baseline"]

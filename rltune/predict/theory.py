@@ -12,7 +12,8 @@ arrays, so fitting on 1,000 cases and forecasting 100 candidates stay fast). The
   run in sandboxes by the pool's slots (a trial holds its sandbox while it generates); static batching
   waits for whole waves, continuous batching refills slots; each decode step reads the weights
   (fp8 halves the bytes) and computes on the active batch; ``engine_compile`` scales the per-step
-  overhead; sandboxes add setup (cheaper with a prebuilt image) and execution per trial, divided
+  overhead; in fully async mode rollout runs ahead (up to the sample-age cap, as many batches as the
+  engines' slots hold) and one batch costs a share of that joint time (a fitted efficiency); sandboxes add setup (cheaper with a prebuilt image) and execution per trial, divided
   over the sandboxes that really run at once -- the pool, capped by the host cores that run them;
 - weight sync: a fixed cost plus bytes / bandwidth per transport (``sparse_delta`` ships only the
   changed fraction);
@@ -57,7 +58,7 @@ STAGE_COLUMN = {"rollout": "rollout_s", "training": "training_s", "weight_sync":
 EPS_S = 1e-3  # seconds added before taking logs: a stage measured as 0 must not dominate the fit
 GPU_MEMORY_BYTES = {"H100": 80e9, "H200": 141e9, "B200": 180e9, "B300": 288e9, "A100": 80e9}
 # Coefficients that are fractions or factors of a physical quantity keep their meaning while fitted.
-BOUNDS = {"continuous_fill": (0.05, 1.0), "sandbox_overlap": (0.01, 1.0), "compile_factor": (0.05, 1.5),
+BOUNDS = {"continuous_fill": (0.05, 1.0), "run_ahead_efficiency": (0.05, 1.0), "sandbox_overlap": (0.01, 1.0), "compile_factor": (0.05, 1.5),
           "prebuilt_factor": (0.01, 1.0),
           "delta_fraction": (0.001, 1.0), "padding_overhead": (0.01, 3.0), "checkpoint_overhead": (0.05, 1.5),
           **{f"overlap_{mode}_{stage}": (0.5, 10.0) for mode in ("one_step_async", "fully_async") for stage in ("rollout", "training")}}
@@ -300,11 +301,31 @@ def _old_logprob(f: Features, c: dict[str, float]) -> np.ndarray:
     return separate * c["s_per_logprob_flop"] * flops / trainer_devices(f)
 
 
+def run_ahead(f: Features) -> np.ndarray:
+    """Batches the engines generate at once: 1, but in fully async mode up to the sample-age cap + 1.
+
+    Fully async rollout runs ahead of training by up to ``max_sample_age`` weight versions, so
+    while a batch trains the engines already generate the next ones -- as many as their slots hold
+    (engines x concurrency / samples per batch), and no more than the cap allows.
+    """
+    def compute(f: Features) -> np.ndarray:
+        fully = f.equals("rl_mode", "fully_async", "sync")
+        cap = np.maximum(f.num("max_sample_age", 1.0), 0.0) + 1.0
+        room = engines(f) * concurrency_per_engine(f) / samples(f)
+        return 1.0 + fully * (np.maximum(np.minimum(cap, room), 1.0) - 1.0)
+    return f.derived("run_ahead", compute)
+
+
 def _decode(f: Features, c: dict[str, float]) -> np.ndarray:
+    """Decode time per batch; with rollout running ahead, ``run_ahead`` batches share each decode step,
+    so one batch costs their joint time over their number -- to the power of a fitted efficiency,
+    since engines on one device (or on a CPU's cores) slow each other."""
+    ahead = run_ahead(f)
     overhead = c["s_per_decode_step"] * (1.0 - (1.0 - c["compile_factor"]) * f.flag("engine_compile", False))
     weights = c["s_per_weight_byte"] * weight_bytes(f) / engine_tp(f)
-    compute = c["s_per_decode_flop"] * 2.0 * f.num("active_params", 1e9) * batch_per_step(f) / engine_tp(f)
-    return decode_steps(f, c["continuous_fill"]) * (overhead + weights + compute)
+    batch = np.minimum(concurrency_per_engine(f), ahead * samples(f) / engines(f))
+    compute = c["s_per_decode_flop"] * 2.0 * f.num("active_params", 1e9) * batch / engine_tp(f)
+    return decode_steps(f, c["continuous_fill"]) * (overhead + weights + compute) / ahead ** c["run_ahead_efficiency"]
 
 
 def sandbox_parallelism(f: Features, cores_per_host: float) -> np.ndarray:
@@ -354,12 +375,13 @@ register_term("training", "old_logprob_pass", ("reuse_rollout_logprobs", "batch"
 register_term("training", "fixed", (), {"training_fixed_s": (0.02, 1.0)}, lambda f, c: np.full(f.n, c["training_fixed_s"]))
 register_term("rollout", "decode", ("batch", "answer_cap_tokens", "context_limit_tokens", "engine_max_concurrency", "num_engines",
                                     "engine_batching", "engine_compile", "engine_tp", "kv_cache_dtype", "weight_dtype", "total_params",
-                                    "active_params", "workload", "device", "sandbox_pool_size", "sandbox_hosts"),
+                                    "active_params", "workload", "device", "sandbox_pool_size", "sandbox_hosts",
+                                    "max_sample_age"),
               # CPU: small-batch decode in eager kernels runs at a few GFLOP/s, an order of magnitude below the dense
               # matmuls of training, so each sequence in the batch adds a real share to a decode step
               {"s_per_decode_step": (2e-3, 0.01), "compile_factor": (0.7, 0.7), "s_per_weight_byte": (1e-10, 2.5e-13),
-               "s_per_decode_flop": (3e-10, 3e-15), "continuous_fill": (0.7, 0.7)},
-              _decode, "decode steps over the longest trial per wave x cost of one step")
+               "s_per_decode_flop": (3e-10, 3e-15), "continuous_fill": (0.7, 0.7), "run_ahead_efficiency": (0.5, 1.0)},
+              _decode, "decode steps over the longest trial per wave x cost of one step, over the batches generated at once")
 register_term("rollout", "sandbox", ("workload", "sandbox_pool_size", "sandbox_hosts", "prebuilt_image", "batch"),
               {"sandbox_build_s": (0.5, 120.0), "prebuilt_factor": (0.2, 0.2), "sandbox_exec_s": (0.05, 5.0), "sandbox_cores": (2.0, 64.0),
                "sandbox_overlap": (0.5, 0.5)},
@@ -634,10 +656,18 @@ def measured_stages(case: CaseRecord) -> dict[str, float]:
     'training' is the trainer's whole time per step: ``training_s`` plus ``old_logprob_s`` when the
     source timed the separate old-logprob pass on its own (the reference workload does), because
     that pass runs on the trainer and the RL-mode rule must see it there.
+
+    In fully async mode rollout overlaps the step: what it costs the step is its generation time
+    per batch, never more than the step (a batch's groups may have started several steps before
+    and run while earlier batches trained), so the rollout is the smaller of ``rollout_s`` and
+    ``step_s`` there.
     """
     m = case.measured
+    rollout = float(m.get("rollout_s", 0.0))
+    if case.rl_mode == "fully_async" and _number(m.get("step_s")):
+        rollout = min(rollout, float(m["step_s"]))
     return {
-        "rollout": float(m.get("rollout_s", 0.0)),
+        "rollout": rollout,
         "training": float(m.get("training_s", 0.0)) + float(m.get("old_logprob_s", 0.0) or 0.0),
         "weight_sync": float(m.get("weight_sync_s", 0.0)),
     }

@@ -4,15 +4,17 @@ Public API:
 
 - ``stage_table_from_logs(path, format='auto', run_id=None, warmup_steps=0) -> (pyarrow.Table, ParseReport)``
 - ``diagnose(table, rl_mode, warmup_steps=0, run_id=None) -> Diagnosis``
-- ``profile_job(job_path, run_dir, steps=None, overrides=None, on_output=None) -> ProfileResult``
-  (run_dir, table, diagnosis, launch)
+- ``record_run(job_path, run_dir, overrides=None, steps=None, ...) -> RecordedRun``: the one run
+  recorder behind profile, trial and auto (never raises for the job's own failure);
+  ``record_logs(path, run_dir, ...)`` the same for existing logs; ``profile_job`` raises
+  :class:`JobFailedError` when the job failed
 - ``describe_stage_map() -> str`` (markdown for docs/artifacts.md); ``PROBLEM_IDS``.
 """
 
 from rltune.profile.detectors import PROBLEM_IDS
 from rltune.profile.diagnose import NotDiagnosableError, diagnose, infer_rl_mode
 from rltune.profile.report import ParseReport
-from rltune.profile.run import ProfileResult, profile_job
+from rltune.profile.run import JobFailedError, RecordedRun, profile_job, record_logs, record_run
 from rltune.profile.stage_map import STAGE_MAP, describe_stage_map
 from rltune.profile.table import stage_table_from_logs
 
@@ -21,10 +23,13 @@ __all__ = [
     "STAGE_MAP",
     "NotDiagnosableError",
     "ParseReport",
-    "ProfileResult",
+    "JobFailedError",
+    "RecordedRun",
     "describe_stage_map",
     "diagnose",
     "infer_rl_mode",
     "profile_job",
+    "record_logs",
+    "record_run",
     "stage_table_from_logs",
 ]

@@ -18,6 +18,7 @@ from rltune.contracts.diagnosis import DIAGNOSIS_SCHEMA_VERSION, Diagnosis, Stag
 from rltune.contracts.stages import source_of
 from rltune.errors import LogFormatError, RltuneError
 from rltune.profile.detectors import RunFacts, detect
+from rltune.profile.stats import number
 from rltune.steps import RL_MODES, combine
 
 if TYPE_CHECKING:
@@ -42,8 +43,7 @@ def _round(value: float) -> float:
 
 
 def _series(rows: list[dict], column: str) -> list[float]:
-    return [float(r[column]) for r in rows if isinstance(r.get(column), (int, float))
-            and not isinstance(r.get(column), bool) and not math.isnan(r[column])]
+    return [v for r in rows for v in [number(r.get(column))] if v is not None]
 
 
 def infer_rl_mode(table: pa.Table) -> tuple[str, str] | None:
@@ -93,11 +93,17 @@ def diagnose(table: pa.Table, rl_mode: str, warmup_steps: int = 0, run_id: str |
     def stage_median(columns: tuple[str, ...]) -> float | None:
         per_step = []
         for r in used:
-            parts = [r.get(c) for c in columns]
+            parts = [number(r.get(c)) for c in columns]
             if parts[0] is None:
                 continue
             per_step.append(sum(p for p in parts if p is not None))
         return _quantile(per_step, 0.5) if per_step else None
+
+    for column in ("step_s", "rollout_s", "training_s", "old_logprob_s", "weight_sync_s"):
+        holes = [int(r["step"]) for r in used if isinstance(r.get(column), float) and not math.isfinite(r[column])]
+        if holes:
+            notes.append(f"{column} is NaN or infinite on steps {holes[:8]}{' ...' if len(holes) > 8 else ''}: "
+                         "left out of every median and mean, check the job's logging")
 
     rollout = stage_median(("rollout_s",))
     training = stage_median(("training_s", "old_logprob_s"))
@@ -105,6 +111,8 @@ def diagnose(table: pa.Table, rl_mode: str, warmup_steps: int = 0, run_id: str |
         training = stage_median(("old_logprob_s",))
     weight_sync = stage_median(("weight_sync_s",))
     step_measured = median.get("step_s")
+    step_values = _series(used, "step_s")
+    step_mean = sum(step_values) / len(step_values) if step_values else None
     measured_stages = {"rollout": rollout, "training": training, "weight_sync": weight_sync}
     if all(v is None for v in measured_stages.values()):
         if step_measured is None:
@@ -129,6 +137,7 @@ def diagnose(table: pa.Table, rl_mode: str, warmup_steps: int = 0, run_id: str |
     return Diagnosis(
         schema_version=DIAGNOSIS_SCHEMA_VERSION, run_id=str(run_id), source=source_of(table), rl_mode=rl_mode,
         steps_used=[int(r["step"]) for r in used], step_median_s=_round(step_measured),
+        step_mean_s=None if step_mean is None else _round(step_mean),
         step_model_s=_round(step_model), limiting_stage=limiting, stages=stages, problems=problems,
         stage_medians_s={k: (None if v is None else _round(v)) for k, v in measured_stages.items()},
         notes=notes,

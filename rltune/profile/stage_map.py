@@ -22,6 +22,26 @@ Choices that need a reason:
   vLLM log-prob| over completion tokens), logged only when vLLM generates.
 - prime-rl's orchestrator step is rollout-bound: its console ``Time`` is the step, and the
   ``Generating rollouts`` bar's elapsed time is the rollout.
+- current verl times the weight hand-over after the update (``timing_s/update_weights``; the
+  one-step-off trainer ``timing_s/sync_rollout_weights``), not inside ``timing_s/gen``; the rollout
+  rule subtracts ``timing_s/reshard`` only where the log has it. ``timing_s/generate_sequences`` and
+  ``timing_s/agent_loop/*`` are per-sample figures inside ``timing_s/gen``, kept as extras.
+- NeMo-RL's asynchronous GRPO logs ``exposed_generation``: the trainer's wait for the replay
+  buffer while generation runs alongside. It fills ``wait_s``, never ``rollout_s``; such a log has
+  no rollout time. ``prepare_for_generation/total`` already contains
+  ``prepare_for_generation/transfer_and_update_weights``, and ``policy_and_reference_logprobs``
+  contains ``policy_logprobs`` / ``reference_logprobs``: only the outer timers are summed.
+- SkyRL: ``timer/<name>`` come from its ``Finished: '<name>', time cost: Xs`` lines,
+  ``timing/<name>`` from its tracker dict (the same timers). ``fwd_logprobs_values_reward`` (old
+  and reference log-probs, critic values, reward-model scores) is the separate forward pass; the
+  update is ``train_critic_and_policy`` (it contains ``policy_train`` and ``critic_train``).
+- ms-swift's ``logging.jsonl`` has no stage timers. Its GRPO rows carry TRL's ``step_time``: the
+  sum of the optimizer step's ``training_step`` calls (generation, forward, backward); the
+  optimizer update and logging fall outside it. Without ``step_time`` the step is derived from
+  ``elapsed_time`` (whole seconds) between logged rows (``elapsed/step_s``, marked derived).
+- AReaL's trainer runs its ``timeperf/*`` phases one after another and has no step timer: the step
+  is their sum (marked derived). ``timeperf/rollout`` is the trainer's wait in ``prepare_batch``
+  for a full batch, the rollout stage as the trainer sees it.
 
 :func:`describe_stage_map` renders the table for docs/artifacts.md.
 """
@@ -41,11 +61,13 @@ STAGE_MAP: dict[str, dict[str, tuple[str, ...]]] = {
         "step_s": ("timing_s/step", "timing/step", "perf/time_per_step", "time_per_step", "sum(timing/)",
                    "progress/step_s"),
         "rollout_s": ("timing_s/gen - timing_s/reshard + timing_s/reward", "timing/gen + timing/reward"),
-        "weight_sync_s": ("timing_s/reshard", "timing_s/update_weights", "timing_s/sync_weights"),
+        "weight_sync_s": ("timing_s/reshard", "timing_s/update_weights", "timing_s/sync_rollout_weights",
+                          "timing_s/sync_weights"),
         "old_logprob_s": ("timing_s/old_log_prob + timing_s/ref", "timing_s/ref",
                           "timing/old_log_prob + timing/ref", "timing/ref"),
         "training_s": ("timing_s/update_actor + timing_s/update_critic + timing_s/values + timing_s/adv",
                        "timing/update_actor + timing/update_critic + timing/values + timing/adv"),
+        "wait_s": ("timing_s/wait_for_enough_samples",),
         "reward": ("critic/score/mean", "critic/rewards/mean"),
     },
     "prime-rl": {
@@ -96,10 +118,38 @@ STAGE_MAP: dict[str, dict[str, tuple[str, ...]]] = {
     "nemo-rl": {
         "step_s": ("timing/total_step_time",),
         "rollout_s": ("timing/generation + timing/reward_calculation",),
-        "weight_sync_s": ("timing/prepare_for_generation", "timing/refit"),
-        "old_logprob_s": ("timing/policy_and_reference_logprobs",),
+        "wait_s": ("timing/exposed_generation",),
+        "weight_sync_s": ("timing/weight_sync", "timing/prepare_for_generation/total",
+                          "timing/prepare_for_generation", "timing/refit"),
+        "old_logprob_s": ("timing/policy_and_reference_logprobs + timing/logprob_inference_prep",),
         "training_s": ("timing/policy_training + timing/training_prep",),
-        "reward": ("Avg Reward",),
+        "reward": ("Avg Reward", "Avg Total Reward"),
+        "sample_age_mean": ("Avg Trajectory Age",),
+    },
+    "skyrl": {
+        "step_s": ("timing/step", "timer/step"),
+        "rollout_s": ("timing/generate + timing/postprocess_generator_output",
+                      "timer/generate + timer/postprocess_generator_output"),
+        "old_logprob_s": ("timing/fwd_logprobs_values_reward", "timer/fwd_logprobs_values_reward"),
+        "training_s": ("timing/train_critic_and_policy + timing/compute_advantages_and_returns",
+                       "timer/train_critic_and_policy + timer/compute_advantages_and_returns",
+                       "timer/policy_train + timer/critic_train"),
+        "weight_sync_s": ("timing/sync_weights", "timer/sync_weights"),
+        "reward": ("reward/avg_raw_reward", "avg_final_rewards"),
+    },
+    "ms-swift": {
+        "step_s": ("iteration_time_s", "step_time", "elapsed/step_s"),
+        "reward": ("reward",),
+    },
+    "areal": {
+        "step_s": ("sum(timeperf/)",),
+        "rollout_s": ("timeperf/rollout",),
+        "old_logprob_s": ("timeperf/recompute_logp + timeperf/ref_logp + timeperf/teacher_logp",
+                          "timeperf/ref_logp + timeperf/teacher_logp"),
+        "training_s": ("timeperf/train_step + timeperf/critic_train_step + timeperf/critic_values"
+                       " + timeperf/compute_advantage",),
+        "weight_sync_s": ("timeperf/update_weights",),
+        "reward": ("ppo_actor/task_reward/avg", "rollout/reward"),
     },
     "vllm": {
         "engine_queue_s": ("vllm:request_queue_time_seconds/mean",),

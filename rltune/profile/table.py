@@ -7,6 +7,7 @@ prime-rl output folder with trainer/ and orchestrator/ metrics, or a folder of b
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -84,17 +85,39 @@ def stage_table_from_logs(path: str | os.PathLike, format: str = "auto", run_id:
                              f"check --format (auto detects {', '.join(ADAPTERS)})")
     base_id = run_id or path.stem
     rows = []
+    nonfinite_core: dict[str, list[tuple[int, float, str]]] = {}
+    nonfinite_extra: list[tuple[int, str]] = []
     for index, step in enumerate(sorted(parsed.records)):
         metrics = parsed.records[step]
         core, used = map_metrics(fmt, metrics)
         for column, rule in used.items():
             report.derived.setdefault(column, rule)
-        row: dict = {k: v for k, v in metrics.items() if k not in core and k != "warmup"}
+            if not math.isfinite(core[column]):
+                # A NaN or infinite time is never used: the column is null and the report says why.
+                nonfinite_core.setdefault(column, []).append((int(step), core[column], rule))
+                core[column] = None
+        row: dict = {}
+        for key, value in metrics.items():
+            if key in core or key == "warmup":
+                continue
+            if isinstance(value, float) and not math.isfinite(value):
+                nonfinite_extra.append((int(step), key))
+                value = None
+            row[key] = value
         row.update(core)
         row["run_id"] = parsed.run_ids.get(step, base_id) if run_id is None else run_id
         row["step"] = int(step)
         row["warmup"] = bool(metrics.get("warmup", 0.0)) or index < warmup_steps
         rows.append(row)
+    for column, cases in nonfinite_core.items():
+        step, value, rule = cases[0]
+        report.note(f"{column} is {value} in the log at {len(cases)} step{'s' if len(cases) != 1 else ''} "
+                    f"(e.g. step {step}, from {rule}): left null there, not used in medians")
+    if nonfinite_extra:
+        step, key = nonfinite_extra[0]
+        many = len(nonfinite_extra) != 1
+        report.note(f"{len(nonfinite_extra)} source value{'s are' if many else ' is'} NaN or infinite in the log "
+                    f"(e.g. step {step} '{key}'): null in the table")
     report.steps = len(rows)
     if report.derived.get("step_s", "").startswith("sum("):
         report.note(f"step_s is derived: {report.derived['step_s']} (this log has no step timer)")

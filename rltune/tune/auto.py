@@ -1,18 +1,24 @@
 """``rltune auto``: profile -> propose -> predict -> trial -> update, round after round, resumable.
 
-One round starts from the current baseline (the untuned job, then each kept setup): its diagnosis
-feeds ``propose``, the case library and theory feed the forecast, and the most promising setup
-forecast at least ``limits.min_forecast_gain_pct`` faster runs for real. A kept setup becomes the
-next round's baseline; a rejected one is recorded and the next candidate is tried, with forecasts
-that now include its result. Knob values seen only in runs that crashed or hung are not tried again. The loop stops when no candidate is forecast fast enough, the trial
-budget is spent, or the rounds run out; then it writes the tuned preset, the savings by technique
-and the HTML report.
+The untuned job runs ``limits.baseline_runs`` times first (default 2): their spread is the measured
+run-to-run noise every later trial must beat (:func:`rltune.tune.limits.measured_noise`). One round
+starts from the current baseline (the untuned job, then each kept setup): its diagnosis feeds
+``propose``, the case library and theory feed the forecast, and the next candidate by the shared
+pick (:func:`rltune.tune.pick.pick`) runs for real. A candidate is worth a trial when its forecast
+reaches ``limits.min_forecast_gain_pct`` -- or, while the evidence is thin, when only its range
+does and it relieves the limiting stage: the loop explores while it is unsure. Each trial joins the
+library, so the next forecast refits the theory to it. A kept setup becomes the next round's
+baseline; a rejected one is recorded and the next candidate is tried. Knob values seen only in
+runs that crashed or hung are not tried again. The loop stops when no candidate's forecast or
+range reaches the gate, the trial budget is spent, or the rounds run out; then it writes the tuned
+preset, the savings by technique and the HTML report.
 
-Everything the loop decides is an event in ``WORKDIR/journal.jsonl`` (append-only, fsynced). Run
-again with the same arguments after a crash or ``kill -9`` and it replays the journal and goes on:
-a run whose case reached the library is taken from its directory (verdict.yaml, stages.parquet,
-diagnosis.yaml); a run that did not finish is run again under a new id. The library therefore holds
-every finished run exactly once.
+Everything the loop decides is an event in ``WORKDIR/journal.jsonl`` (append-only, fsynced), with
+paths relative to the work directory, so the same command resumes from any working directory.
+Run again after a crash or ``kill -9`` and it replays the journal and goes on: a run whose case
+reached the library is taken from its directory (verdict.yaml, stages.parquet, diagnosis.yaml); a
+run that did not finish is run again under a new id. The library therefore holds every finished
+run exactly once.
 
 Work directory layout::
 
@@ -25,15 +31,19 @@ Work directory layout::
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rltune.contracts.job import JobSpec, KnobValue, load_job
 from rltune.errors import RltuneError
+from rltune.launch.job import metrics_path_of, run_steps
 from rltune.tune.journal import Journal, JournalError
-from rltune.tune.trial import MeasuredRun, measure_run, record_case, run_trial
+from rltune.tune.pick import failed_settings, pick
+from rltune.tune.trial import Baseline, measure_run, record_case, run_trial
 
 Event = dict[str, Any]
 
@@ -78,49 +88,60 @@ def _load_run(run_dirs: list[Path], run_id: str, knobs: dict[str, KnobValue], st
     return _Baseline(run_id, [Path(d) for d in run_dirs], dict(knobs), step_s, rows, diagnosis)
 
 
-def holds_a_failed_set(baseline_knobs: dict, overrides: dict, failed: list[set]) -> bool:
-    """True if the setup holds every value of some crashed run's set (see ``AutoLoop._failed_settings``)."""
-    setup = set({**baseline_knobs, **overrides}.items())
-    return any(f <= setup for f in failed)
-
-
-def crash_aware_order(forecasts: list, baseline_knobs: dict, failed: list[set]) -> list:
-    """Forecasts fastest first, except that setups sharing fewer values with crashed runs go first:
-    after a crash of a setup that changed several knobs, the culprit is one of them."""
-    suspect = set().union(*failed) if failed else set()
-    return sorted(forecasts, key=lambda f: (len(suspect & set({**baseline_knobs, **f.overrides}.items())), f.step_s))
-
-
 class AutoLoop:
     """The state of one ``auto`` run, rebuilt from its journal; :meth:`run` goes on from there."""
 
     def __init__(self, job_path: str | Path, workdir: str | Path, *, rounds: int = 4, trial_budget: int = 12,
                  max_trials_per_round: int = 3, steps: int | None = None, library: str | Path | None = None,
                  knowledge: str | Path | None = None, tuned_dir: str | Path = "presets/tuned",
-                 allow_needs: bool = False, on_event: Callable[[Event], None] | None = None):
-        self.job_path = Path(job_path)
-        self.job: JobSpec = load_job(job_path)
-        self.workdir = Path(workdir)
+                 allow_needs: bool = False, parallel: int = 1, on_event: Callable[[Event], None] | None = None,
+                 on_output: Callable[[str], None] | None = None):
+        self.job_path = Path(job_path).resolve()
+        self.job: JobSpec = load_job(self.job_path)
+        self.workdir = Path(workdir).resolve()
         self.rounds = rounds
         self.trial_budget = trial_budget
         self.max_trials_per_round = max_trials_per_round
-        self.steps = steps
-        self.library_path = Path(library) if library else self.workdir / "cases"
+        self.steps = run_steps(self.job, steps)
+        self.library_path = Path(library).resolve() if library else self.workdir / "cases"
         self.knowledge_path = knowledge
         self.tuned_dir = Path(tuned_dir)
         self.allow_needs = allow_needs
+        if parallel < 1:
+            raise AutoError(f"--parallel {parallel}: run at least one trial at a time")
+        self.parallel = parallel
+        self._lock = threading.Lock()
         self.on_event = on_event or (lambda event: None)
+        self.on_output = on_output
         self.journal = Journal(self.workdir / "journal.jsonl")
 
     # -- journal --------------------------------------------------------------------------------
     def _emit(self, kind: str, **fields: Any) -> Event:
-        event = self.journal.append(kind, **fields)
-        self.on_event(event)
+        with self._lock:  # trials run in parallel journal their submissions from their own threads
+            event = self.journal.append(kind, **fields)
+            self.on_event(event)
         return event
 
     def _note(self, kind: str, **fields: Any) -> None:
         """A live-view event that is not journalled (nothing is decided by it)."""
         self.on_event({"event": kind, **fields})
+
+    def _rel(self, path: str | Path) -> str:
+        """A path as the journal stores it: relative to the work directory when inside it."""
+        path = Path(path).resolve()
+        try:
+            return str(path.relative_to(self.workdir))
+        except ValueError:
+            return str(path)
+
+    def _abs(self, text: str) -> Path:
+        """A path read from the journal. Journals written before paths were relative to the work
+        directory hold paths relative to the directory 'auto' ran in; such a path is taken as it is."""
+        path = Path(text)
+        if path.is_absolute():
+            return path
+        inside = self.workdir / path
+        return inside if inside.exists() or not path.exists() else path.resolve()
 
     def _new_run_id(self, stem: str, events: list[Event]) -> str:
         """``stem``, or ``stem-x<N>`` when earlier attempts under that stem never finished."""
@@ -131,6 +152,12 @@ class AutoLoop:
         while f"{stem}-x{n}" in used:
             n += 1
         return f"{stem}-x{n}"
+
+    def _start_run(self, run_id: str, role: str, round_no: int, knobs: dict, **fields: Any) -> Event:
+        run_dir = self.workdir / "runs" / run_id
+        return self._emit("run_start", run_id=run_id, run_dir=self._rel(run_dir), role=role, round=round_no,
+                          knobs=knobs, steps=self.steps, metrics_path=self._rel(metrics_path_of(self.job, self.job_path, run_dir)),
+                          **fields)
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> AutoResult:
@@ -144,7 +171,8 @@ class AutoLoop:
         if start is None:
             self._emit("start", job=str(self.job_path), job_name=self.job.name, gpus=self.job.gpus.count,
                        device=self.job.gpus.device, rl_mode=self.job.rl_mode, rounds=self.rounds,
-                       trial_budget=self.trial_budget, library=str(self.library_path))
+                       trial_budget=self.trial_budget, steps=self.steps, baseline_runs=self.job.limits.baseline_runs,
+                       library=self._rel(self.library_path))
         elif start.get("job_name") != self.job.name:
             raise JournalError(f"{self.journal.path}: belongs to job {start.get('job_name')!r}, not {self.job.name!r}; "
                                f"use another --workdir")
@@ -155,8 +183,8 @@ class AutoLoop:
             return self._result_from(finish, events)
 
         self._settle_unfinished(library)
-        events = self.journal.events()
-        untuned = self._untuned(library, events)
+        untuned, untuned_noise = self._untuned(library)
+        self._resume_trials(library, untuned, untuned_noise)
         events = self.journal.events()
         baseline = self._current_baseline(untuned, events)
         trials = [e for e in events if e["event"] == "trial"]
@@ -170,148 +198,267 @@ class AutoLoop:
             if len(trials) >= self.trial_budget:
                 reason = f"spent the trial budget ({self.trial_budget})"
                 break
-            outcome, baseline, round_trials = self._round(round_no, baseline, untuned, tried, knowledge, library)
+            outcome, baseline, round_trials = self._round(round_no, baseline, untuned, untuned_noise, tried, knowledge,
+                                                          library, len(trials))
             trials += round_trials
-            if outcome in ("no_candidates", "none_forecast"):
+            if outcome in ("no_candidates", "none_worth"):
                 reason = ("no applicable fix for what limits the step" if outcome == "no_candidates"
-                          else f"no candidate forecast >= {self.job.limits.min_forecast_gain_pct:g}% faster")
+                          else f"no candidate's forecast or range reaches the {self.job.limits.min_forecast_gain_pct:g}% gate")
                 break
             round_no += 1
         return self._finish(reason, untuned, baseline)
 
+    def _unfinished(self, events: list[Event]) -> list[Event]:
+        """run_start events with no outcome in the journal yet."""
+        done = {e["run_id"] for e in events if e["event"] in ("baseline_run", "trial", "run_abandoned")}
+        done |= {rid for e in events if e["event"] == "baseline" for rid in e.get("run_ids", [e.get("run_id")])}
+        return [e for e in events if e["event"] == "run_start" and e["run_id"] not in done]
+
+    @staticmethod
+    def _identities(events: list[Event]) -> dict[str, dict]:
+        """Run id -> the launcher identity journalled when the run was submitted."""
+        return {e["run_id"]: e["identity"] for e in events if e["event"] == "run_submitted"}
+
     def _settle_unfinished(self, library: Any) -> None:
-        """A run started but not journalled as done: take it from disk if recorded, else drop it."""
+        """Runs started but not journalled as done, after a crash or ``kill -9`` of rltune.
+
+        The rule: a run whose case reached the library is taken from disk. A run on a scheduler
+        (slurm, ray) lives on without rltune: it is followed again (:meth:`_resume_trials` and the
+        untuned baseline reattach to it). A local run died with rltune's session or is an orphan:
+        what is left of it is cancelled and it is run again under a new id.
+        """
         events = self.journal.events()
-        done = {e["run_id"] for e in events if e["event"] in ("baseline", "trial", "run_abandoned")}
-        for start in [e for e in events if e["event"] == "run_start" and e["run_id"] not in done]:
+        identities = self._identities(events)
+        for start in self._unfinished(events):
             run_id = start["run_id"]
             if library.has(run_id) and start["role"] == "trial":
                 from rltune.contracts.verdict import load_verdict
 
-                verdict = load_verdict(Path(start["run_dir"]) / "verdict.yaml")
+                verdict = load_verdict(self._abs(start["run_dir"]) / "verdict.yaml")
                 self._emit("trial", **self._trial_fields(start, verdict))
-                if verdict.kept:
-                    self._emit("round_end", round=start["round"], outcome="kept", baseline_run=run_id)
             elif library.has(run_id) and start["role"] == "baseline":
-                base = _load_run([Path(start["run_dir"])], run_id, start["knobs"], 0.0)
-                self._emit_baseline(start["round"], run_id, Path(start["run_dir"]), start["knobs"], base.rows,
-                                    base.diagnosis)
-            else:
-                self._emit("run_abandoned", run_id=run_id, reason="interrupted before its case was recorded; run again")
+                run = _load_run([self._abs(start["run_dir"])], run_id, start["knobs"], 0.0)
+                from rltune.profile.stats import mean_over
 
-    def _untuned(self, library: Any, events: list[Event]) -> _Baseline:
+                self._emit("baseline_run", run_id=run_id, run_dir=start["run_dir"], step_s=mean_over(run.rows, "step_s"))
+            elif run_id in identities and identities[run_id]["launcher"] in REATTACHABLE:
+                self._note("reattach", run_id=run_id, job_id=identities[run_id]["job_id"],
+                           launcher=identities[run_id]["launcher"])
+            else:
+                for rid in (run_id, f"{run_id}-again"):
+                    if rid in identities:
+                        _cancel_leftover(identities[rid])
+                self._emit("run_abandoned", run_id=run_id, reason="interrupted before its case was recorded; run again")
+        self._close_rounds()
+
+    def _close_rounds(self) -> None:
+        """A round whose trials all finished with a keep but that has no round_end: end it with the fastest."""
+        events = self.journal.events()
+        ended = {e["round"] for e in events if e["event"] == "round_end"}
+        pending = {e["round"] for e in self._unfinished(events) if e["role"] == "trial"}
+        for round_no in sorted({e["round"] for e in events if e["event"] == "trial"} - ended - pending):
+            kept = [e for e in events if e["event"] == "trial" and e["round"] == round_no and e["decision"] == "keep"]
+            if kept:
+                best = min(kept, key=lambda e: e["step_s"])
+                self._emit("round_end", round=round_no, outcome="kept", baseline_run=best["run_id"])
+
+    def _resume_trials(self, library: Any, untuned: _Baseline, untuned_noise: float | None) -> None:
+        """Follow again the trials an earlier process left running on a scheduler, and journal them."""
+        from rltune.contracts.forecast import CandidateForecast
+        from rltune.contracts.schema import from_data
+
+        events = self.journal.events()
+        identities = self._identities(events)
+        starts = [e for e in self._unfinished(events) if e["role"] == "trial" and e["run_id"] in identities]
+        if not starts:
+            return
+        baseline = self._current_baseline(untuned, events)
+
+        def finish(start: Event) -> None:
+            forecast = from_data(CandidateForecast, start["forecast"], self.journal.path, "run_start.forecast")
+            resume = {rid: identities[rid] for rid in (start["run_id"], f"{start['run_id']}-again") if rid in identities}
+            outcome = self._run_trial(start, forecast, baseline, untuned, untuned_noise, library, resume)
+            self._emit("trial", **self._trial_fields(start, outcome.verdict))
+
+        with ThreadPoolExecutor(max_workers=max(1, len(starts))) as pool:
+            for future in [pool.submit(finish, start) for start in starts]:
+                future.result()
+        self._close_rounds()
+
+    def _untuned(self, library: Any) -> tuple[_Baseline, float | None]:
+        """The untuned baseline (its ``limits.baseline_runs`` runs pooled) and its measured noise in %."""
+        from rltune.tune.limits import measured_noise
+
+        events = self.journal.events()
         recorded = next((e for e in events if e["event"] == "baseline" and e["round"] == 0), None)
         if recorded is None:
-            run_id = self._new_run_id("r0-untuned", events)
-            run_dir = self.workdir / "runs" / run_id
             knobs = dict(self.job.knobs)
-            self._emit("run_start", run_id=run_id, run_dir=str(run_dir), role="baseline", round=0, knobs=knobs)
-            run = measure_run(self.job, self.job_path, run_dir, run_id, knobs, self.steps)
-            record_case(library, self.job, run, None)
-            if not run.ok:
-                self._emit("run_abandoned", run_id=run_id, reason=f"untuned baseline {run.status}: {run.error}")
-                raise AutoError(f"the untuned baseline {run.status.replace('_', ' ')} ({run.error}); fix the job first. "
-                                f"Log tail:\n{run.log_tail}")
-            recorded = self._emit_baseline(0, run_id, run_dir, knobs, run.rows, run.diagnosis)
-        return _load_run([Path(recorded["run_dir"])], recorded["run_id"], recorded["knobs"], recorded["step_s"])
+            finished = [e for e in events if e["event"] == "baseline_run"]
+            identities = self._identities(events)
+            waiting = [e for e in self._unfinished(events) if e["role"] == "baseline" and e["run_id"] in identities]
+            for repeat in range(len(finished), self.job.limits.baseline_runs):
+                if waiting:  # submitted by a process that died; its job lives on on the scheduler
+                    start, resume = waiting[0], identities[waiting.pop(0)["run_id"]]
+                    run_id = start["run_id"]
+                else:
+                    run_id = self._new_run_id("r0-untuned" if repeat == 0 else f"r0-untuned-{repeat + 1}",
+                                              self.journal.events())
+                    start, resume = self._start_run(run_id, "baseline", 0, knobs, repeat=repeat + 1,
+                                                    of=self.job.limits.baseline_runs), None
+                run = measure_run(self.job, self.job_path, self._abs(start["run_dir"]), run_id, knobs, self.steps,
+                                  self.on_output, on_submit=self._journal_submission(run_id), resume=resume)
+                record_case(library, self.job, run, None)
+                if not run.ok:
+                    self._emit("run_abandoned", run_id=run_id, reason=f"untuned baseline {run.status}: {run.error}")
+                    raise AutoError(f"the untuned baseline {run.status.replace('_', ' ')} ({run.error}); fix the job "
+                                    f"first. Log tail:\n{run.log_tail}")
+                finished.append(self._emit("baseline_run", run_id=run_id, run_dir=start["run_dir"], step_s=run.step_s()))
+            run_dirs = [self._abs(e["run_dir"]) for e in finished]
+            probe = _load_run(run_dirs, finished[0]["run_id"], knobs, 0.0)
+            noise = measured_noise(self.job.limits, probe.rows)
+            recorded = self._emit_baseline(0, [e["run_id"] for e in finished], run_dirs, knobs, probe.rows,
+                                           probe.diagnosis, noise_pct=noise.measured_pct, noise=noise.detail)
+        run_dirs = [self._abs(d) for d in recorded.get("run_dirs", [recorded["run_dir"]])]
+        return _load_run(run_dirs, recorded["run_id"], recorded["knobs"], recorded["step_s"]), recorded.get("noise_pct")
 
-    def _emit_baseline(self, round_no: int, run_id: str, run_dir: Path, knobs: dict, rows: list[dict], diagnosis: Any) -> Event:
-        probe = MeasuredRun(run_id=run_id, run_dir=run_dir, knobs=knobs, status="ok", rows=rows)
-        return self._emit("baseline", round=round_no, run_id=run_id, run_dir=str(run_dir), knobs=knobs,
-                          step_s=probe.median_step_s(), stages_s=probe.stage_medians(),
-                          limiting_stage=diagnosis.limiting_stage, problems=[p.id for p in diagnosis.problems])
+    def _emit_baseline(self, round_no: int, run_ids: list[str], run_dirs: list[Path], knobs: dict, rows: list[dict],
+                       diagnosis: Any, **fields: Any) -> Event:
+        from rltune.profile.stats import mean_over, median_over
+
+        stages = {name: value for name in ("rollout", "training", "weight_sync", "old_logprob")
+                  for value in [mean_over(rows, f"{name}_s")] if value is not None}
+        return self._emit("baseline", round=round_no, run_id=run_ids[0], run_ids=run_ids, run_dir=self._rel(run_dirs[0]),
+                          run_dirs=[self._rel(d) for d in run_dirs], knobs=knobs, step_s=mean_over(rows, "step_s"),
+                          step_median_s=median_over(rows, "step_s"), stages_s=stages,
+                          limiting_stage=diagnosis.limiting_stage, problems=[p.id for p in diagnosis.problems], **fields)
 
     def _current_baseline(self, untuned: _Baseline, events: list[Event]) -> _Baseline:
-        kept = [e for e in events if e["event"] == "trial" and e["decision"] == "keep"]
-        if not kept:
+        """The untuned run, or the trial the last round that kept one made its baseline."""
+        ends = [e for e in events if e["event"] == "round_end" and e.get("outcome") == "kept"]
+        if not ends:
             return untuned
-        last = kept[-1]
-        return _load_run([Path(d) for d in last["run_dirs"]], last["run_id"], last["knobs"], last["step_s"])
+        last = next(e for e in events if e["event"] == "trial" and e["run_id"] == ends[-1]["baseline_run"])
+        return _load_run([self._abs(d) for d in last["run_dirs"]], last["run_id"], last["knobs"], last["step_s"])
 
-    def _round(self, round_no: int, baseline: _Baseline, untuned: _Baseline, tried: list[dict], knowledge: Any,
-               library: Any) -> tuple[str, _Baseline, list[Event]]:
+    def _journal_submission(self, run_id: str) -> Callable[[dict], None]:
+        return lambda identity: self._emit("run_submitted", run_id=run_id, identity=identity)
+
+    def _run_trial(self, start: Event, forecast: Any, baseline: _Baseline, untuned: _Baseline,
+                   untuned_noise: float | None, library: Any, resume: dict[str, dict] | None = None) -> Any:
+        compared = Baseline(run_id=baseline.run_id, rows=baseline.rows, untuned_run=untuned.run_id,
+                            untuned_rows=untuned.rows, untuned_noise_pct=untuned_noise)
+        return run_trial(self.job, self.job_path, forecast, baseline_knobs=baseline.knobs, baseline=compared,
+                         library=library, run_root=self.workdir / "runs", run_id=start["run_id"], steps=self.steps,
+                         on_run=lambda rid, state: self._note("run", run_id=rid, state=state), on_output=self.on_output,
+                         on_submit=lambda rid, identity: self._emit("run_submitted", run_id=rid, identity=identity),
+                         resume=resume)
+
+    def _round(self, round_no: int, baseline: _Baseline, untuned: _Baseline, untuned_noise: float | None,
+               tried: list[dict], knowledge: Any, library: Any, trials_so_far: int) -> tuple[str, _Baseline, list[Event]]:
+        """One round from ``baseline``: attempts of up to ``parallel`` trials each, until one is kept.
+
+        Each attempt proposes and forecasts again (earlier attempts' runs are in the library by then),
+        picks the next candidates worth a trial -- several at once with ``parallel`` > 1, each its
+        own run (allocation on a scheduler) -- and decides from all of them: the fastest kept one
+        becomes the next round's baseline.
+        """
         from rltune.contracts.candidates import save_candidates
         from rltune.contracts.forecast import save_forecast
+        from rltune.contracts.schema import to_data
         from rltune.predict import forecast_candidates
         from rltune.tune.propose import propose
 
         round_dir = self.workdir / "rounds" / f"r{round_no}"
         round_trials: list[Event] = []
-        limits = self.job.limits
-        for attempt in range(1, self.max_trials_per_round + 1):
-            if len(tried) - 1 >= self.trial_budget:
+        # A round resumed after an interruption keeps the trials it had already run.
+        done = sum(1 for e in self.journal.events() if e["event"] == "trial" and e["round"] == round_no)
+        attempt = sum(1 for e in self.journal.events() if e["event"] == "proposed" and e["round"] == round_no)
+        while done + len(round_trials) < self.max_trials_per_round:
+            room = min(self.parallel, self.trial_budget - trials_so_far - len(round_trials),
+                       self.max_trials_per_round - done - len(round_trials))
+            if room <= 0:
                 break
+            attempt += 1
+            failed = self._failed_settings()
             candidates = propose(baseline.diagnosis, self.job, knowledge, knobs=baseline.knobs, job_path=str(self.job_path),
                                  round_tag=f"r{round_no}", tried=tried, allow_needs=self.allow_needs,
                                  baseline_dir=str(baseline.run_dirs[0]), untuned_dir=str(untuned.run_dirs[0]))
-            failed = self._failed_settings()
-            candidates.candidates = [c for c in candidates.candidates if not holds_a_failed_set(baseline.knobs, c.overrides, failed)]
             save_candidates(candidates, round_dir / "candidates.yaml")
             if not candidates.candidates:
                 self._emit("round_end", round=round_no, outcome="no_candidates", unfixed=candidates.unfixed)
                 return "no_candidates", baseline, round_trials
-            forecast = forecast_candidates(self.job, candidates, library, baseline_knobs=baseline.knobs)
+            forecast = forecast_candidates(self.job, candidates, library, baseline_knobs=baseline.knobs,
+                                           job_path=str(self.job_path), candidates_file=str(round_dir / "candidates.yaml"),
+                                           library_path=str(self.library_path))
             forecast_path = round_dir / f"forecast-a{attempt}.yaml"
             save_forecast(forecast, forecast_path)
-            ranked = crash_aware_order(forecast.forecasts, baseline.knobs, failed)
             by_id = {c.id: c for c in candidates.candidates}
+            chosen = []
+            while len(chosen) < room:
+                fc = pick(forecast, baseline.knobs, failed=failed,
+                          tried=[*tried, *({**baseline.knobs, **c.overrides} for c in chosen)])
+                if fc is None:
+                    break
+                chosen.append(fc)
             self._emit("proposed", round=round_no, attempt=attempt, baseline_run=baseline.run_id,
-                       baseline_step_s=baseline.step_s, limiting_stage=candidates.limiting_stage,
-                       next_stage=candidates.next_stage, candidates_file=str(round_dir / "candidates.yaml"),
-                       forecast_file=str(forecast_path),
+                       baseline_step_s=baseline.step_s, forecast_baseline_s=forecast.baseline_step_s,
+                       limiting_stage=candidates.limiting_stage, next_stage=candidates.next_stage,
+                       candidates_file=self._rel(round_dir / "candidates.yaml"), forecast_file=self._rel(forecast_path),
+                       picked=chosen[0].candidate if chosen else None, picks=[fc.candidate for fc in chosen],
                        candidates=[{"id": f.candidate, "fixes": by_id[f.candidate].fixes if f.candidate in by_id else [],
-                                    "step_s": f.step_s, "gain_pct": f.gain_pct, "limiting_stage": f.limiting_stage,
-                                    "method": f.method} for f in ranked])
-            pick = next((f for f in ranked if f.candidate in by_id and f.gain_pct >= limits.min_forecast_gain_pct), None)
-            if pick is None:
-                self._emit("round_end", round=round_no, outcome="none_forecast")
-                return "none_forecast", baseline, round_trials
-            candidate = by_id[pick.candidate]
-            events = self.journal.events()
-            run_id = self._new_run_id(f"r{round_no}-{candidate.id.split('-', 1)[-1]}-a{attempt}", events)
-            run_dir = self.workdir / "runs" / run_id
-            knobs = {**baseline.knobs, **pick.overrides}
-            start = self._emit("run_start", run_id=run_id, run_dir=str(run_dir), role="trial", round=round_no,
-                               candidate=candidate.id, fixes=candidate.fixes, knobs=knobs,
-                               baseline_run=baseline.run_id, baseline_step_s=baseline.step_s,
-                               group=knowledge.fix(candidate.fixes[0]).group)
-            outcome = run_trial(self.job, self.job_path, pick, baseline_knobs=baseline.knobs, baseline_run=baseline.run_id,
-                                baseline_rows=baseline.rows, untuned_run=untuned.run_id, untuned_rows=untuned.rows,
-                                library=library, run_root=self.workdir / "runs", run_id=run_id, steps=self.steps,
-                                on_run=lambda rid, state: self._note("run", run_id=rid, state=state))
-            event = self._emit("trial", **self._trial_fields(start, outcome.verdict))
-            round_trials.append(event)
-            tried.append(knobs)
-            if outcome.kept:
-                new = _load_run([Path(d) for d in outcome.verdict.run_dirs], run_id, knobs, outcome.verdict.step_s)
-                self._emit("round_end", round=round_no, outcome="kept", baseline_run=run_id)
+                                    "step_s": f.step_s, "range_s": f.range_s, "gain_pct": f.gain_pct,
+                                    "worth": f.worth, "limiting_stage": f.limiting_stage, "method": f.method}
+                                   for f in forecast.forecasts])
+            if not chosen:
+                self._emit("round_end", round=round_no, outcome="none_worth")
+                return "none_worth", baseline, round_trials
+            starts = []
+            for fc in chosen:
+                candidate = by_id[fc.candidate]
+                run_id = self._new_run_id(f"r{round_no}-{candidate.id.split('-', 1)[-1]}-a{attempt}", self.journal.events())
+                starts.append(self._start_run(
+                    run_id, "trial", round_no, {**baseline.knobs, **fc.overrides}, candidate=candidate.id,
+                    fixes=candidate.fixes, baseline_run=baseline.run_id, baseline_step_s=baseline.step_s, worth=fc.worth,
+                    group=knowledge.fix(candidate.fixes[0]).group, forecast=to_data(fc),
+                    trial=trials_so_far + len(round_trials) + len(starts) + 1, of=self.trial_budget))
+            if len(chosen) == 1:
+                outcomes = [self._run_trial(starts[0], chosen[0], baseline, untuned, untuned_noise, library)]
+            else:
+                with ThreadPoolExecutor(max_workers=len(chosen)) as pool:
+                    futures = [pool.submit(self._run_trial, start, fc, baseline, untuned, untuned_noise, library)
+                               for start, fc in zip(starts, chosen, strict=True)]
+                    outcomes = _results_or_stop(futures)
+            kept = []
+            for start, outcome in zip(starts, outcomes, strict=True):
+                round_trials.append(self._emit("trial", **self._trial_fields(start, outcome.verdict)))
+                tried.append(start["knobs"])
+                if outcome.kept:
+                    kept.append((start, outcome))
+            if kept:
+                start, outcome = min(kept, key=lambda pair: pair[1].verdict.step_s)
+                new = _load_run([Path(d) for d in outcome.verdict.run_dirs], start["run_id"], start["knobs"],
+                                outcome.verdict.step_s)
+                self._emit("round_end", round=round_no, outcome="kept", baseline_run=start["run_id"])
                 return "kept", new, round_trials
         self._emit("round_end", round=round_no, outcome="none_kept")
         return "none_kept", baseline, round_trials
 
     def _failed_settings(self) -> list[set[tuple[str, Any]]]:
-        """Per run that crashed or hung, the knob values it tried that never ran fine anywhere.
-
-        A setup holding all the values of one such set is not tried again. A set of one value bans
-        that value; a set of several bans only their combination, since the culprit is unknown,
-        and setups sharing fewer of them are tried first (see ``_round``).
-        """
+        """Knob values of runs that crashed or hung that never ran fine (see :func:`rltune.tune.pick.failed_settings`)."""
         events = self.journal.events()
-        ran_fine = {item for e in events if e["event"] in ("baseline", "trial") and e.get("decision", "ok") != "failed"
-                    for item in e["knobs"].items()}
-        failed = [set(e["knobs"].items()) - ran_fine for e in events if e["event"] == "trial" and e["decision"] == "failed"]
-        return [f for f in failed if f]
+        return failed_settings((e["knobs"], e.get("decision", "ok")) for e in events if e["event"] in ("baseline", "trial"))
 
-    @staticmethod
-    def _trial_fields(start: Event, verdict: Any) -> dict[str, Any]:
-        return dict(round=start["round"], run_id=start["run_id"], run_dirs=verdict.run_dirs, candidate=start["candidate"],
-                    fixes=start["fixes"], group=start["group"], knobs=start["knobs"], decision=verdict.decision,
-                    reason=verdict.reason, step_s=verdict.step_s, baseline_step_s=verdict.baseline_step_s,
-                    gain_pct=verdict.gain_pct, forecast_step_s=verdict.forecast_step_s,
+    def _trial_fields(self, start: Event, verdict: Any) -> dict[str, Any]:
+        return dict(round=start["round"], run_id=start["run_id"], run_dirs=[self._rel(d) for d in verdict.run_dirs],
+                    candidate=start["candidate"], fixes=start["fixes"], group=start["group"], knobs=start["knobs"],
+                    worth=start.get("worth", ""), decision=verdict.decision, reason=verdict.reason, step_s=verdict.step_s,
+                    median_s=verdict.median_s, baseline_step_s=verdict.baseline_step_s, gain_pct=verdict.gain_pct,
+                    noise_pct=verdict.noise_pct, forecast_step_s=verdict.forecast_step_s,
                     forecast_range_s=verdict.forecast_range_s, within_forecast_range=verdict.within_forecast_range,
                     stages_s=verdict.stages_s, remeasured=verdict.remeasured,
-                    failed_limits=[c.name for c in verdict.limits if not c.passed],
-                    verdict=str(Path(start["run_dir"]) / "verdict.yaml"))
+                    failed_limits=[c.name for c in verdict.limits if c.passed is False],
+                    unmeasured_limits=[c.name for c in verdict.limits if c.passed is None],
+                    verdict=self._rel(self._abs(start["run_dir"]) / "verdict.yaml"))
 
     def _finish(self, reason: str, untuned: _Baseline, best: _Baseline) -> AutoResult:
         from rltune.tune.preset import write_tuned_preset
@@ -320,14 +467,18 @@ class AutoLoop:
 
         events = self.journal.events()
         trials = [e for e in events if e["event"] == "trial"]
-        kept = [(e["group"], (e["baseline_step_s"] or 0.0) - (e["step_s"] or 0.0)) for e in trials if e["decision"] == "keep"]
+        made_baseline = {e["baseline_run"] for e in events if e["event"] == "round_end" and e.get("outcome") == "kept"}
+        kept = [(e["group"], (e["baseline_step_s"] or 0.0) - (e["step_s"] or 0.0)) for e in trials
+                if e["decision"] == "keep" and e["run_id"] in made_baseline]
+        baseline_event = next(e for e in events if e["event"] == "baseline" and e["round"] == 0)
         provenance = {"untuned_step_s": round(untuned.step_s, 4), "tuned_step_s": round(best.step_s, 4),
                       "speedup": round(untuned.step_s / best.step_s, 3) if best.step_s else None,
+                      "step": "mean over the measured steps", "noise_pct": baseline_event.get("noise_pct"),
                       "trials": len(trials), "best_run": best.run_id, "journal": str(self.journal.path)}
         preset = write_tuned_preset(self.job, self.job_path, best.knobs, self.tuned_dir, provenance)
         finish = self._emit("finish", reason=reason, untuned_run=untuned.run_id, untuned_step_s=untuned.step_s,
                             best_run=best.run_id, best_step_s=best.step_s, best_knobs=best.knobs, trials=len(trials),
-                            savings=shares_by_group(kept), tuned_preset=str(preset))
+                            savings=shares_by_group(kept), tuned_preset=str(preset.resolve()))
         report = build_report(self.workdir)
         return self._result_from(finish, events, report)
 
@@ -339,6 +490,36 @@ class AutoLoop:
         return AutoResult(workdir=self.workdir, reason=finish["reason"], untuned_step_s=finish["untuned_step_s"],
                           best_step_s=finish["best_step_s"], best_knobs=finish["best_knobs"], trials=finish["trials"],
                           tuned_preset=Path(finish["tuned_preset"]), report=report)
+
+
+# Launchers whose jobs outlive the process that submitted them: after a restart, rltune follows them again.
+REATTACHABLE = ("slurm", "ray")
+
+
+def _cancel_leftover(identity: dict) -> None:
+    """Stop what is left of a run an earlier process started (a local orphan), best effort."""
+    from rltune.launch import reattach
+
+    try:
+        reattach(identity).cancel()
+    except RltuneError:
+        pass  # gone already, or the scheduler does not know it: nothing left to stop
+
+
+def _results_or_stop(futures: list) -> list:
+    """Every future's result; on Ctrl-C or a failure, every running job is asked to stop first."""
+    from rltune.launch import request_stop
+
+    try:
+        return [f.result() for f in futures]
+    except BaseException:
+        request_stop()
+        for f in futures:
+            try:
+                f.result()
+            except BaseException:  # noqa: BLE001 - each follower cancels its own job and re-raises
+                pass
+        raise
 
 
 def auto(job_path: str | Path, workdir: str | Path, **options: Any) -> AutoResult:

@@ -1,8 +1,10 @@
-"""``rltune report``: one self-contained HTML page about an ``auto`` run, readable with no network.
+"""``rltune report``: one self-contained HTML page about a tuning run, readable with no network.
 
-Everything comes from the run's journal (journal.jsonl), which holds every measured baseline and
-trial. Plots are drawn with matplotlib's Agg backend and embedded as base64 PNG; the page links no
-script, stylesheet, font or image outside itself.
+The numbers come from an ``auto`` work directory's journal (journal.jsonl), which holds every
+measured baseline and trial; or, for stages chained by hand (``rltune profile`` then ``trial``),
+from the verdict.yaml files of the run directories under the given folder and the stage tables of
+the baselines they name. Plots are drawn with matplotlib's Agg backend and embedded as base64 PNG;
+the page links no script, stylesheet, font or image outside itself.
 """
 
 from __future__ import annotations
@@ -51,26 +53,89 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
 
 
 def collect(workdir: str | Path) -> dict[str, Any]:
-    """The numbers the report shows, from the journal: start, baselines per round, trials, finish."""
-    events = Journal(Path(workdir) / "journal.jsonl").events()
-    if not events:
-        raise ReportError(f"{workdir}: no journal.jsonl with events; point 'rltune report' at an 'rltune auto' --workdir")
+    """The numbers the report shows: start, baselines per round, trials, finish."""
+    workdir = Path(workdir)
+    if (workdir / "journal.jsonl").exists():
+        events = Journal(workdir / "journal.jsonl").events()
+        if not events:
+            raise ReportError(f"{workdir / 'journal.jsonl'}: no events yet; run 'rltune auto' to the first baseline")
+        return _from_events(events)
+    if workdir.is_dir():
+        return _from_run_dirs(workdir)
+    raise ReportError(f"{workdir}: no such directory; point 'rltune report' at an 'rltune auto' --workdir or at "
+                      "the folder holding the run directories of 'rltune profile' and 'rltune trial'")
+
+
+def _from_events(events: list[dict[str, Any]]) -> dict[str, Any]:
     start = next((e for e in events if e["event"] == "start"), {})
     baselines = [e for e in events if e["event"] == "baseline"]
     trials = [e for e in events if e["event"] == "trial"]
     finish = next((e for e in reversed(events) if e["event"] == "finish"), None)
+    return _assemble(start, baselines, trials, finish)
+
+
+def _assemble(start: dict, baselines: list[dict], trials: list[dict], finish: dict | None) -> dict[str, Any]:
     rounds = []  # the baseline each round started from: the untuned run, then each kept trial
     if baselines:
         rounds.append({"round": 0, "label": "untuned", "run_id": baselines[0]["run_id"],
                        "step_s": baselines[0]["step_s"], "stages_s": baselines[0].get("stages_s", {})})
-    for t in trials:
+    for number, t in enumerate(trials, 1):
+        t.setdefault("number", number)
         if t["decision"] == "keep":
-            rounds.append({"round": t["round"], "label": f"r{t['round']} {t['candidate']}", "run_id": t["run_id"],
+            rounds.append({"round": t["round"], "label": f"#{t['number']} {t['candidate']}", "run_id": t["run_id"],
                            "step_s": t["step_s"], "stages_s": t.get("stages_s", {})})
-    return {"start": start, "baselines": baselines, "trials": trials, "finish": finish, "rounds": rounds}
+    return {"start": start, "baselines": baselines, "trials": trials, "finish": finish, "rounds": rounds,
+            "chained": "trial_budget" not in start}
+
+
+def _from_run_dirs(folder: Path) -> dict[str, Any]:
+    """Trials chained by hand: every verdict.yaml under ``folder`` (two levels deep), oldest first."""
+    from rltune.contracts.stages import read_stages
+    from rltune.contracts.verdict import load_verdict
+    from rltune.profile.stats import mean_over
+
+    paths = sorted({*folder.glob("*/verdict.yaml"), *folder.glob("*/*/verdict.yaml"), *folder.glob("verdict.yaml")},
+                   key=lambda p: (p.stat().st_mtime, str(p)))
+    if not paths:
+        raise ReportError(f"{folder}: no journal.jsonl and no run directory with a verdict.yaml under it; point "
+                          "'rltune report' at an 'rltune auto' --workdir or at the folder 'rltune trial' wrote into "
+                          "(--runs-root)")
+    verdicts = [(p, load_verdict(p)) for p in paths]
+    first = verdicts[0][1]
+    start: dict[str, Any] = {"job": first.job, "job_name": Path(first.job).stem, "gpus": 0, "device": ""}
+    job_file = Path(first.job)
+    if job_file.exists():
+        from rltune.contracts.job import load_job
+
+        job = load_job(job_file)
+        start.update(job_name=job.name, gpus=job.gpus.count, device=job.gpus.device, rl_mode=job.rl_mode)
+    baselines = []
+    untuned_dir = _find_run_dir(folder, first.untuned_run)
+    if untuned_dir is not None:
+        rows = read_stages(untuned_dir / "stages.parquet").to_pylist()
+        baselines.append({"run_id": first.untuned_run, "step_s": mean_over(rows, "step_s"),
+                          "stages_s": {n: v for n in STAGES for v in [mean_over(rows, f"{n}_s")] if v is not None}})
+    elif first.baseline_run == first.untuned_run and first.baseline_step_s is not None:
+        baselines.append({"run_id": first.untuned_run, "step_s": first.baseline_step_s, "stages_s": {}})
+    trials = []
+    for path, v in verdicts:
+        trials.append({"round": len([t for t in trials if t["decision"] == "keep"]) + 1, "run_id": v.run_id,
+                       "candidate": v.candidate, "fixes": [], "group": "other", "decision": v.decision,
+                       "reason": v.reason, "step_s": v.step_s, "baseline_step_s": v.baseline_step_s,
+                       "gain_pct": v.gain_pct, "forecast_step_s": v.forecast_step_s,
+                       "forecast_range_s": v.forecast_range_s, "stages_s": v.stages_s, "verdict": str(path)})
+    return _assemble(start, baselines, trials, None)
+
+
+def _find_run_dir(folder: Path, run_id: str) -> Path | None:
+    for candidate in (folder / run_id, folder.parent / run_id, *folder.glob(f"*/{run_id}")):
+        if (candidate / "stages.parquet").exists():
+            return candidate
+    return None
 
 
 def _plots(data: dict[str, Any], devices: int) -> list[tuple[str, str, str]]:
+    """(title, key, png) of each plot; GPU-seconds only for a job on GPUs (``devices`` > 0)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -85,6 +150,7 @@ def _plots(data: dict[str, Any], devices: int) -> list[tuple[str, str, str]]:
     for i, t in enumerate(trials, 1):
         if t.get("step_s") is not None:
             ax.scatter(i, t["step_s"], color=DECISION_COLORS.get(t["decision"], "grey"), zorder=3)
+            ax.annotate(f"#{t['number']}", (i, t["step_s"]), textcoords="offset points", xytext=(4, 4), fontsize=7)
         if t["decision"] == "keep" and t.get("step_s") is not None:
             best_so_far = t["step_s"]
         xs.append(i)
@@ -93,7 +159,7 @@ def _plots(data: dict[str, Any], devices: int) -> list[tuple[str, str, str]]:
         ax.scatter(0, untuned, color=DECISION_COLORS["baseline"], zorder=3)
         ax.step([0, *xs], [untuned, *best], where="post", color="#34495e", label="best kept so far")
     ax.set_xlabel("trial (0 = untuned baseline)")
-    ax.set_ylabel("median step time (s)")
+    ax.set_ylabel("mean step time (s)")
     ax.set_title("Step time per trial: kept (green), rejected (amber), failed (red)")
     ax.legend(loc="upper right")
     out.append(("Step time per round", "step", _png(fig)))
@@ -107,7 +173,7 @@ def _plots(data: dict[str, Any], devices: int) -> list[tuple[str, str, str]]:
             ax.bar(labels, heights, bottom=bottom, label=stage)
             bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
         ax.plot(labels, [r["step_s"] for r in rounds], "k_", markersize=30, label="measured step")
-        ax.set_ylabel("seconds (stage medians)")
+        ax.set_ylabel("seconds (stage means)")
         ax.set_title("Stage split of each round's baseline")
         ax.legend(fontsize=8)
         plt.setp(ax.get_xticklabels(), rotation=15, ha="right")
@@ -130,7 +196,7 @@ def _plots(data: dict[str, Any], devices: int) -> list[tuple[str, str, str]]:
         ax.legend(fontsize=8)
         out.append(("Forecast vs measured", "forecast", _png(fig)))
 
-    if rounds:
+    if rounds and devices > 0:
         fig, ax = plt.subplots(figsize=(7, 3))
         ax.bar([r["label"] for r in rounds], [r["step_s"] * devices for r in rounds], color="#5d6d7e")
         ax.set_ylabel(f"device-seconds per step ({devices} device{'s' if devices != 1 else ''})")
@@ -140,12 +206,16 @@ def _plots(data: dict[str, Any], devices: int) -> list[tuple[str, str, str]]:
     return out
 
 
+def _range(value: list[float] | None) -> str:
+    return f"{value[0]:.4g}-{value[1]:.4g}" if value else ""
+
+
 def build_report(workdir: str | Path, out: str | Path | None = None) -> Path:
     """Write the report of the ``auto`` run in ``workdir`` and return its path (default workdir/report.html)."""
     workdir = Path(workdir)
     data = collect(workdir)
     start, finish, trials, rounds = data["start"], data["finish"], data["trials"], data["rounds"]
-    devices = max(int(start.get("gpus") or 0), 1)
+    devices = int(start.get("gpus") or 0)
     job_name = start.get("job_name", "job")
 
     kept = [(t.get("group", "other"), (t.get("baseline_step_s") or 0.0) - (t.get("step_s") or 0.0))
@@ -154,14 +224,16 @@ def build_report(workdir: str | Path, out: str | Path | None = None) -> Path:
     untuned = rounds[0]["step_s"] if rounds else None
     best = rounds[-1]["step_s"] if rounds else None
 
-    parts = [f"<h1>rltune auto: {html.escape(job_name)}</h1>"]
-    summary = [["job", start.get("job", "")], ["RL mode (untuned)", start.get("rl_mode", "")],
-               ["devices", f"{start.get('gpus', 0)} x {start.get('device', '')}"],
-               ["trials run", len(trials)], ["untuned step (s)", untuned], ["best step (s)", best]]
+    parts = [f"<h1>Tuning {html.escape(job_name)}</h1>"]
+    where = f"{devices} x {start.get('device', 'GPU')}" if devices else f"CPU only ({start.get('device') or 'cpu'})"
+    summary = [["job", start.get("job", "")], ["RL mode (untuned)", start.get("rl_mode", "")], ["devices", where],
+               ["trials run", len(trials)], ["untuned mean step (s)", untuned], ["best mean step (s)", best]]
     if untuned and best:
         summary.append(["speed-up", f"{untuned / best:.2f}x"])
     if finish:
         summary += [["stopped because", finish.get("reason", "")], ["tuned preset", finish.get("tuned_preset", "")]]
+    elif data["chained"]:
+        summary.append(["runs", "chained by hand (rltune profile, trial)"])
     else:
         summary.append(["state", "still running or interrupted (no finish event yet)"])
     parts.append(_table(["", ""], summary))
@@ -169,7 +241,7 @@ def build_report(workdir: str | Path, out: str | Path | None = None) -> Path:
     for title, _key, png in _plots(data, devices):
         parts.append(f"<h2>{html.escape(title)}</h2>{_img(png, title)}")
 
-    parts.append("<h2>Savings by technique (the seed's Figure 8)</h2>")
+    parts.append("<h2>Savings by technique</h2>")
     if shares:
         parts.append("<p>Share of the job's total step-time saving from each kept change, counted under its main "
                      "fix's group. Shares follow the tuning path, not each technique alone.</p>")
@@ -178,10 +250,14 @@ def build_report(workdir: str | Path, out: str | Path | None = None) -> Path:
         parts.append("<p>No change was kept, so there is no saving to split.</p>")
 
     parts.append("<h2>Trials</h2>")
+    parts.append("<p>Step times are means over the steps both runs measured after warm-up: the wall time a "
+                 "step costs.</p>")
     parts.append(_table(
-        ["round", "candidate", "fixes", "decision", "forecast (s)", "measured (s)", "baseline (s)", "gain %", "reason"],
-        [[t["round"], t["candidate"], ", ".join(t.get("fixes", [])), t["decision"], t.get("forecast_step_s"),
-          t.get("step_s"), t.get("baseline_step_s"), t.get("gain_pct"), t.get("reason", "")] for t in trials]))
+        ["#", "round", "run", "fixes", "decision", "forecast (s)", "range (s)", "measured (s)", "baseline (s)",
+         "gain %", "reason"],
+        [[f"#{t['number']}", t["round"], t["run_id"], ", ".join(t.get("fixes", [])), t["decision"], t.get("forecast_step_s"),
+          _range(t.get("forecast_range_s")), t.get("step_s"), t.get("baseline_step_s"), t.get("gain_pct"),
+          t.get("reason", "")] for t in trials]))
 
     style = ("body{font-family:sans-serif;max-width:980px;margin:2em auto;color:#222}"
              "table{border-collapse:collapse;margin:1em 0;font-size:14px}"

@@ -61,7 +61,7 @@ def test_overrides_are_mapped_rendered_and_the_resolved_job_is_written(tmp_path)
     assert result.ok and result.returncode == 0 and not result.timed_out
     args = json.loads((run_dir / "args.json").read_text())
     assert args == ["--run-dir", str(run_dir.resolve()), "--steps", "3", "orchestrator.steps=3",
-                    "trainer.micro_batch_size=16"]
+                    "orchestrator.rl_mode=sync", "trainer.micro_batch_size=16"]
     assert "hello from the job" in lines
     assert result.log_tail(5).splitlines()[-1] == "hello from the job"
     resolved = load_job(run_dir / "job.yaml")
@@ -71,10 +71,21 @@ def test_overrides_are_mapped_rendered_and_the_resolved_job_is_written(tmp_path)
     assert record["argv"] == result.argv and record["returncode"] == 0
 
 
-def test_steps_default_to_the_job_limit_when_not_given(tmp_path):
-    path = write_job(tmp_path, ECHO_ARGS)
+def test_without_overrides_the_job_limit_steps_and_every_knob_are_rendered(tmp_path):
+    # What runs is the job file: a tuned or hand-edited preset reproduces its run with no override.
+    path = write_job(tmp_path, ECHO_ARGS, knobs={"micro_batch_size": 32})
     argv = build_argv(load_job(path), path, tmp_path / "r")
-    assert argv[-2:] == ["--steps", "4"] and not any(a.startswith("orchestrator.steps") for a in argv)
+    assert argv[-5:] == ["--steps", "4", "orchestrator.steps=4", "orchestrator.rl_mode=sync",
+                         "trainer.micro_batch_size=32"]
+
+
+def test_a_knob_without_a_mapping_only_describes_the_job_until_it_is_overridden(tmp_path):
+    path = write_job(tmp_path, ECHO_ARGS, knobs={"engines_per_node": 8})
+    argv = build_argv(load_job(path), path, tmp_path / "r")
+    assert not any("engines_per_node" in a for a in argv)
+    assert build_argv(load_job(path), path, tmp_path / "r", overrides={"engines_per_node": 8}) == argv
+    with pytest.raises(UnmappedKnobError, match="'engines_per_node'"):
+        build_argv(load_job(path), path, tmp_path / "r", overrides={"engines_per_node": 4})
 
 
 def test_an_override_of_an_unmapped_knob_names_the_knob_and_the_fix(tmp_path):

@@ -138,7 +138,7 @@ def test_ok_case_needs_every_stage_median():
     failed.validate("b")
 
 
-def test_case_from_run_takes_medians_over_the_same_non_warmup_steps(tmp_path):
+def test_case_from_run_takes_means_over_the_same_non_warmup_steps_and_the_median_beside(tmp_path):
     from rltune.contracts.job import load_job
 
     job = load_job("presets/cpu-demo.yaml")
@@ -147,8 +147,9 @@ def test_case_from_run_takes_medians_over_the_same_non_warmup_steps(tmp_path):
                                                            (2, 3.2, 1.2, 1.8, 0.2, 12.0), (3, 2.9, 0.9, 1.8, 0.2, 11.0)]]
     table = rows_to_table(rows, "rltune")
     case = case_from_run(job, {"micro_batch_size": 4}, table, "r", 10.0, 20.0, "ok", None, warmup_steps=1)
-    assert case.measured["step_s"] == 3.0 and case.measured["rollout_s"] == 1.0 and case.measured["gen_tokens"] == 11.0
-    assert case.measured_steps == 3 and case.knobs["micro_batch_size"] == 4 and case.knobs["rl_mode"] == "sync"
+    assert case.measured["step_s"] == pytest.approx(9.1 / 3) and case.measured["step_median_s"] == 3.0
+    assert case.measured["rollout_s"] == pytest.approx(3.1 / 3) and case.measured["gen_tokens"] == 11.0
+    assert case.statistic == "mean" and case.measured_steps == 3 and case.knobs["micro_batch_size"] == 4 and case.knobs["rl_mode"] == "sync"
     assert "engine_queue_s" not in case.measured  # null column: absent, never 0
     assert case.facts["tasks_per_batch"] == 8.0 and case.source == "rltune"
     with pytest.raises(CaseDataError, match="no measured steps"):

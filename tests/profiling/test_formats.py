@@ -99,6 +99,79 @@ def test_trl_profiling_metrics_give_stage_times_and_the_summary_is_skipped():
     assert report.skipped == {"end-of-training summary, not a step": 1}
 
 
+def test_verl_numpy2_reprs_wrapped_and_one_key_per_line_records():
+    """Records as verl's console logger prints them under numpy 2, one wrapped by a terminal at 120
+    columns, one printed one key per line, a NaN step timer, an unreadable value and a cut last record."""
+    out, report = rows(HAND / "verl_numpy2_console.log")
+    assert report.format == "verl"
+    assert [r["step"] for r in out] == [1, 2, 3, 4]
+    assert [r["step_s"] for r in out] == [118.0, 114.75, 114.5, None]  # step 4 logged nan: reported, null
+    assert [r["rollout_s"] for r in out] == [40.25 + 0.75, 38.5 + 0.5, 39.0 + 0.5, 37.0 + 0.5]
+    assert [r["weight_sync_s"] for r in out] == [2.25, 2.0, 2.5, 2.0]  # timing_s/update_weights
+    assert out[1]["training_s"] == pytest.approx(54.5 + 0.25)
+    assert out[1]["perf/throughput"] == 1220.4159109515201  # np.float64(...) read
+    assert out[2]["training/global_step"] == 3.0  # np.int64(3), on a line of its own
+    assert out[3]["actor/lr"] is None and out[0]["actor/lr"] == 1e-06
+    assert report.skipped == {"truncated or malformed 'key:value' pair": 1}
+    assert any("continuation lines joined" in n for n in report.notes)
+    assert any("'actor/lr': '<unavailable>'" in n for n in report.notes)
+    assert any(n.startswith("step_s is nan in the log at 1 step (e.g. step 4") for n in report.notes)
+
+
+def test_verl_file_logger_as_orjson_writes_it_null_timings_and_a_cut_line_are_counted():
+    out, report = rows(HAND / "verl_file_logger_orjson.jsonl")
+    assert report.format == "verl"
+    assert [r["step_s"] for r in out] == [118.0, 114.75]
+    assert [r["weight_sync_s"] for r in out] == [2.25, None]
+    assert out[1]["actor/grad_norm"] is None
+    assert report.skipped == {"step with no timing keys (validation-only record)": 1,
+                              "truncated or malformed file-logger JSON line": 1}
+    assert any("1 timing value is null in the file logger (e.g. step 2 'timing_s/update_weights'" in n
+               for n in report.notes)
+
+
+def test_nemo_rl_sync_grpo_weight_sync_is_the_outer_prepare_for_generation_timer():
+    out, report = rows(HAND / "nemo_rl_sync_grpo.log")
+    assert report.format == "nemo-rl"
+    assert [(r["step"], r["step_s"]) for r in out] == [(1, 41.25), (2, 34.0)]
+    assert [r["weight_sync_s"] for r in out] == [2.5, 2.25]  # not + transfer_and_update_weights (inside it)
+    assert [r["rollout_s"] for r in out] == [10.75 + 0.25, 10.25 + 0.25]
+    assert out[0]["old_logprob_s"] == 4.0 + 1.0 and out[0]["wait_s"] is None
+    assert out[0]["E2E (Samples/sec/gpu)"] == 3.10  # a '-' sub-bullet: a label, never a timing
+    assert not any(k.startswith("timing/e2e") for k in out[0])
+
+
+def test_skyrl_console_tracker_dict_sums_repeated_timers_and_keeps_timers_outside_steps_apart():
+    out, report = rows(HAND / "skyrl_console_tracker.log")
+    assert report.format == "skyrl"
+    assert len(out) == 1 and out[0]["step"] == 1
+    row = out[0]
+    assert row["timer/generate"] == 60.25 + 20.25 == row["timing/generate"]  # dynamic sampling ran it twice
+    assert (row["step_s"], row["rollout_s"], row["old_logprob_s"]) == (184.25, 80.5 + 0.25, 30.0)
+    assert (row["training_s"], row["weight_sync_s"]) == (70.0 + 0.5, 3.0)
+    assert row["timer/eval"] == 30.0  # after the step, logged with it by SkyRL's tracker
+    assert any("2 timer lines before the first step" in n for n in report.notes)
+    assert report.skipped == {}
+
+
+def test_areal_stats_tables_sum_their_phases_into_the_step():
+    out, report = rows(HAND / "areal_stats.log")
+    assert report.format == "areal"
+    assert [r["step"] for r in out] == [1, 2]
+    first = out[0]
+    assert first["step_s"] == pytest.approx(88.992 + 6.5 + 5.25 + 0.125 + 31.464 + 4.75 + 0.25)
+    assert (first["rollout_s"], first["weight_sync_s"]) == (88.992, 4.75)
+    assert first["old_logprob_s"] == 6.5 + 5.25 and first["training_s"] == pytest.approx(31.464 + 0.125)
+    assert first["reward"] == 0.26204 and out[1]["ppo_actor/update/grad_norm"] is None
+    assert report.derived["step_s"] == "sum(timeperf/)"
+    assert report.skipped == {"stats table cut off by the end of the log": 3}
+
+
+def test_a_nan_printed_in_a_dict_line_is_counted():
+    out, report = rows(HAND / "slime.log")
+    assert any("1 value printed as nan (e.g. step 1 'perf/tokens_per_gpu_per_sec')" in n for n in report.notes)
+
+
 # --- bad input ---------------------------------------------------------------------------------
 
 def test_a_log_with_no_recognisable_step_is_an_error_naming_the_formats(tmp_path):
@@ -142,6 +215,14 @@ def test_a_truncated_json_line_is_skipped_and_counted(tmp_path):
     path.write_text((HAND / "rltune_metrics.jsonl").read_text() + '{"step": 3, "step_s": 2.')
     table, report = stage_table_from_logs(path)
     assert table.num_rows == 3 and report.skipped == {"truncated or malformed JSON line": 1}
+
+
+def test_a_log_whose_every_timing_line_is_unreadable_is_an_error_with_the_counts(tmp_path):
+    text = (HAND / "verl_middle_generation.log").read_text()
+    path = tmp_path / "cut.log"
+    path.write_text("".join(line[:line.index("update_actor") + 6] + "\n" for line in text.splitlines()))
+    with pytest.raises(LogFormatError, match=r"no recognisable verl step.*skipped 2 lines: truncated"):
+        stage_table_from_logs(path)
 
 
 def test_missing_path_and_unknown_format_are_clear_errors(tmp_path):

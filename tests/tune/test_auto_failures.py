@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-from rltune.tune.auto import AutoLoop, crash_aware_order, holds_a_failed_set
+from rltune.contracts.forecast import CandidateForecast
+from rltune.tune.auto import AutoLoop
+from rltune.tune.pick import crash_aware_order, holds_a_failed_set
 
 from .helpers import DEMO
 
@@ -26,8 +26,14 @@ def test_a_crash_of_one_change_bans_that_value_everywhere():
     assert not holds_a_failed_set(BASE, {"packing": True}, failed)
 
 
+def _forecast(candidate: str, step_s: float, overrides: dict) -> CandidateForecast:
+    return CandidateForecast(candidate=candidate, overrides=overrides, stages_s={}, step_s=step_s,
+                             range_s=[step_s * 0.9, step_s * 1.1], limiting_stage="rollout", method="anchor",
+                             rl_mode="sync", worth="point", worth_trial=True)
+
+
 def test_setups_sharing_fewer_crashed_values_are_tried_first_then_by_forecast():
-    f = [SimpleNamespace(candidate=c, step_s=s, overrides=o) for c, s, o in [
+    f = [_forecast(c, s, o) for c, s, o in [
         ("compile+packing+async", 2.0, {"engine_compile": True, "packing": True, "rl_mode": "fully_async"}),
         ("compile+async", 2.1, {"engine_compile": True, "rl_mode": "fully_async"}),
         ("packing+async", 2.4, {"packing": True, "rl_mode": "fully_async"}),

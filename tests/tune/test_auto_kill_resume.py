@@ -73,7 +73,7 @@ def test_kill_9_mid_trial_then_rerun_records_every_finished_run_once(tmp_path):
     assert [e["event"] for e in events].count("start") == 1
     abandoned = [e["run_id"] for e in events if e["event"] == "run_abandoned"]
     assert abandoned == [killed_run]
-    finished = [e["run_id"] for e in events if e["event"] in ("baseline", "trial")]
+    finished = [e["run_id"] for e in events if e["event"] in ("baseline_run", "trial")]
     again = [e["run_id"] + "-again" for e in events if e["event"] == "trial" and e["remeasured"]]
     records = CaseLibrary(workdir / "cases").load()
     ids = [r.run_id for r in records]

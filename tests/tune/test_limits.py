@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rltune.contracts.job import Limits
-from rltune.tune.limits import GAP_NOISE_FLOOR, comparable_steps, judge, recheck_threshold
+from rltune.tune.limits import GAP_NOISE_FLOOR, comparable_steps, judge, measured_noise, recheck_threshold
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(step_times, warmup=1, first=0, **columns):
@@ -95,3 +99,81 @@ def test_no_shared_step_fails_speed():
 def test_recheck_threshold_defaults_to_twice_noise():
     assert recheck_threshold(Limits(noise_pct=4)) == 8
     assert recheck_threshold(Limits(noise_pct=4, recheck_below_pct=5)) == 5
+
+
+def runs(*means_per_run, steps=4, warmup=1):
+    """Rows of several runs of one setup, each run's steps all at its mean."""
+    rows = []
+    for k, mean in enumerate(means_per_run):
+        rows += [{**r, "run_id": f"run{k}"} for r in run([mean] * (steps + warmup), warmup=warmup)]
+    return rows
+
+
+def test_noise_is_the_range_of_the_baseline_runs_with_noise_pct_as_its_floor():
+    base = runs(1.0, 1.3)                                 # 26.1 % apart: the job is that noisy here
+    noise = measured_noise(Limits(noise_pct=4), base)
+    assert noise.pct == pytest.approx(100 * 0.3 / 1.15) and noise.runs == 2 and "range of 2" in noise.detail
+    assert not judge(Limits(noise_pct=4), base, run([1.0] + [0.92] * 4), base).passed          # 20 % faster: noise
+    assert judge(Limits(noise_pct=4), base, run([1.0] + [0.80] * 4), base).passed               # 30 % faster
+    assert measured_noise(Limits(noise_pct=40), base).pct == 40                              # the floor holds
+
+
+def test_a_single_runs_noise_is_two_standard_errors_of_its_mean_step_from_pairs_of_steps():
+    base = run([1.0, 1.2, 1.0, 0.8, 1.0])                   # pairs of measured steps: 1.1, 0.9 -> se 0.1
+    noise = measured_noise(Limits(noise_pct=1), base)
+    assert noise.pct == pytest.approx(20.0)
+    assert check(judge(Limits(noise_pct=1), base, run([1.0] + [0.9] * 4), base), "speed").passed is False
+
+
+def test_alternating_steps_of_a_fully_async_baseline_are_not_counted_as_noise():
+    base = run([9.0, 1.6, 8.2, 1.6, 8.2, 1.6, 8.2, 1.6, 8.2])  # bursts: every pair costs 9.8 s
+    assert measured_noise(Limits(noise_pct=4), base).pct == 4
+
+
+def test_the_untuned_jobs_measured_spread_carries_over_to_a_setup_measured_once():
+    kept = run([1.0] * 5)
+    j = judge(Limits(noise_pct=4), kept, run([1.0] + [0.85] * 4), kept, untuned_noise_pct=20.0)
+    assert check(j, "speed").threshold == 20.0 and not j.passed
+    assert judge(Limits(noise_pct=4), kept, run([1.0] + [0.85] * 4), kept).passed
+
+
+def test_alternating_fully_async_steps_are_compared_on_their_mean_not_their_median():
+    base = run([5.0] * 6)
+    cand = run([5.0, 1.0, 8.6, 1.0, 8.6, 1.0])             # bursts: the median (1.0 s) misstates the cost
+    j = judge(Limits(noise_pct=4), base, cand, base)
+    assert j.step_s == pytest.approx(20.2 / 5) and j.median_s == 1.0
+    assert j.gain_pct == pytest.approx(100 * (5.0 - 4.04) / 5.0)
+
+
+def test_a_limit_no_run_reports_is_not_measured_and_never_shown_as_passed():
+    base = run([1.0] * 5)                                   # no gap, no sample age, no trial counts
+    j = judge(Limits(), base, run([1.0] + [0.5] * 4), base)
+    assert j.passed and j.failed_names() == []
+    assert set(j.not_measured()) == {"gap", "sample_age_mean", "sample_age_max", "trials_cut_off", "trials_failed"}
+    assert all(check(j, name).passed is None for name in j.not_measured())
+    assert check(j, "gap").detail.startswith("not measured")
+
+
+def test_a_nan_step_is_a_hole_flagged_by_the_diagnosis_never_a_number():
+    from rltune.contracts.stages import rows_to_table
+    from rltune.profile.diagnose import diagnose
+
+    rows = run([1.0, 1.0, float("nan"), 1.2, float("inf")], rollout_s=0.5, training_s=0.4, weight_sync_s=0.1)
+    for r in rows:
+        r["run_id"] = "r"
+    j = judge(Limits(), rows, rows, rows)
+    assert j.steps == [1, 3] and j.step_s == pytest.approx(1.1)
+    d = diagnose(rows_to_table(rows, "rltune"), "sync")
+    assert d.step_mean_s == pytest.approx(1.1) and any("step_s is NaN or infinite on steps [2, 4]" in n for n in d.notes)
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_a_limit_that_is_not_a_finite_number_is_refused_with_the_field(tmp_path, value):
+    from rltune.contracts.job import load_job
+    from rltune.errors import WrongTypeError
+
+    text = (REPO_ROOT / "presets" / "cpu-demo.yaml").read_text().replace("  noise_pct: 5", f"  noise_pct: {value}")
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    with pytest.raises(WrongTypeError, match=r"limits\.noise_pct: expected a finite number"):
+        load_job(path)

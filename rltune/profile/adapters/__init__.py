@@ -10,10 +10,23 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from rltune.profile.adapters import nemo_rl, openrlhf, prime_rl, rltune_jsonl, slime, trl, verl, vllm
+from rltune.profile.adapters import (
+    areal,
+    ms_swift,
+    nemo_rl,
+    openrlhf,
+    prime_rl,
+    rltune_jsonl,
+    skyrl,
+    slime,
+    trl,
+    verl,
+    vllm,
+)
 
 ADAPTERS: dict[str, ModuleType] = {
-    module.NAME: module for module in (rltune_jsonl, verl, prime_rl, slime, openrlhf, trl, nemo_rl, vllm)
+    module.NAME: module
+    for module in (rltune_jsonl, verl, prime_rl, slime, openrlhf, trl, nemo_rl, skyrl, ms_swift, areal, vllm)
 }
 
 __all__ = ["ADAPTERS"]

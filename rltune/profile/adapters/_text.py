@@ -20,6 +20,10 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # Ray's per-actor prefix: "(TaskRunner pid=678203)" or "(WorkerDict pid=1, ip=10.0.0.1)", possibly repeated.
 _RAY_PREFIX = re.compile(r"^\s*\((?:[A-Za-z_][\w.:\-]*\s+)?pid=\d+(?:,\s*ip=[\d.:a-fA-F]+)?\)\s?")
 _NAN_TOKENS = re.compile(r"(?<![\w'\"])(nan|NaN|inf|-inf|Infinity|-Infinity)(?![\w'\"])")
+# numpy 2 prints scalars through repr(): np.float64(12.3), np.int64(7), np.float32(nan).
+_NUMPY_REPR = re.compile(r"^(?:np|numpy)\.(?:float|int|uint|half|single|double|longdouble)\w*\((.*)\)$")
+# 'key': nan inside a printed dict, to count the values a dict line had as NaN.
+_NAN_ITEM = re.compile(r"'([^']+)':\s*(?:nan|NaN)(?![\w'\"])")
 
 
 def clean_line(line: str) -> str:
@@ -33,8 +37,17 @@ def clean_line(line: str) -> str:
 
 
 def to_number(text: str) -> float | None:
-    """A finite or infinite float from text such as '252.485', '1e-6', '19.8%' or 'nan'; None if not a number."""
-    text = text.strip().rstrip("%").strip()
+    """A float from text such as '252.485', '1e-6', '19.8%', 'nan' or 'np.float64(12.3)'; None if not a number.
+
+    NaN and infinities are returned as such: the stage table reports them (they are never used as times).
+    """
+    text = text.strip()
+    numpy_repr = _NUMPY_REPR.match(text)
+    if numpy_repr is not None:
+        text = numpy_repr.group(1).strip()
+    if text in ("True", "False"):
+        return float(text == "True")
+    text = text.rstrip("%").strip()
     if text.endswith("s") and not text.endswith(("ns", "ms", "us")):
         text = text[:-1]
     try:
@@ -52,10 +65,10 @@ def hms_seconds(text: str) -> int:
 
 
 def number_or_none(value: object) -> float | None:
+    """A JSON/literal value as a float (NaN and infinities kept, for the table to report); None if not numeric."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    value = float(value)
-    return None if math.isnan(value) else value
+    return float(value)
 
 
 def literal_dict(text: str) -> dict | None:
@@ -109,7 +122,8 @@ class ParsedLog:
         """Merge ``metrics`` into ``step``'s record; a key seen twice with another value keeps the first."""
         record = self.records.setdefault(step, {})
         for key, value in metrics.items():
-            if key in record and record[key] != value:
+            both_nan = math.isnan(record.get(key, 0.0)) and math.isnan(value)
+            if key in record and record[key] != value and not both_nan:
                 self.report.note(f"some steps repeat a metric with another value (e.g. step {step} '{key}'); kept the first")
                 continue
             record[key] = value
@@ -127,6 +141,8 @@ def parse_step_dict_lines(sources: list[tuple[str, str]], report: ParseReport, l
     ``what`` names the line shape in skip reasons, e.g. ``'perf N: {...}'``.
     """
     parsed = ParsedLog(report)
+    nan_values = 0
+    first_nan: tuple[int, str] | None = None
     for _, text in sources:
         for raw in text.splitlines():
             report.lines_total += 1
@@ -137,6 +153,14 @@ def parse_step_dict_lines(sources: list[tuple[str, str]], report: ParseReport, l
             if value is None:
                 report.skip(f"truncated or malformed {what} line")
                 continue
-            parsed.add(int(match.group(1)), flatten(value))
+            step = int(match.group(1))
+            nan_keys = _NAN_ITEM.findall(match.group(2))
+            if nan_keys:
+                nan_values += len(nan_keys)
+                first_nan = first_nan or (step, nan_keys[0])
+            parsed.add(step, flatten(value))
             report.lines_used += 1
+    if nan_values:
+        report.note(f"{nan_values} value{'s' if nan_values != 1 else ''} printed as nan "
+                    f"(e.g. step {first_nan[0]} '{first_nan[1]}') are null in the table")
     return parsed
