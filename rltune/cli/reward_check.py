@@ -15,11 +15,13 @@ once with the first seed. Runs go one after another.
 
 Rule, fixed before the runs: smooth each run's reward with a trailing --window-step moving average
 (default a tenth of the steps); at each step the untuned seeds' averages give a centre and a
-standard deviation, pooled over the steps as sd; the band's half-width is h = 3 x sd x
-sqrt(1 + 1/K) for K seeds. The tuned setup passes when its moving average stays within centre +- h
-at every step and its final-window mean is not below the untuned one by more than h. A failing
+standard deviation, pooled over the steps and never below what one run's average moves from its
+own step-to-step noise: sd. The band's half-width is h = 3 x sd x sqrt(1 + 1/K) for K seeds. The
+tuned setup passes when its moving average stays within centre +- h at every step and its
+final-window mean is not below the untuned one by more than h. A failing
 check re-runs the tuned setup with each change undone in turn (the kept changes of --journal, an
-'rltune auto' journal.jsonl, else one knob at a time) and names the change(s) to blame.
+'rltune auto' journal.jsonl, else one knob at a time) and names the change(s) to blame; a blamed
+change of several knobs is then undone one knob at a time.
 
 Writes OUT/reward_check.yaml and OUT/runs/<run>/ (stages.parquet with reward, gap and sample age
 per step). A run already finished in OUT with the same knobs is reused.
@@ -116,8 +118,9 @@ def _show(console, check) -> None:
     if check.band is not None:
         b = check.band
         rise = "" if b.rise_in_bands is None else f" ({b.rise_in_bands:.2g} half-widths)"
-        console.print(f"band: half-width {b.half_width:.4g} (seed sd {b.seed_sd:.4g}, z {b.z:g}); untuned rose "
-                      f"{b.centre_first:.4g} -> {b.centre_final:.4g}{rise}", markup=False, highlight=False)
+        console.print(f"band: half-width {b.half_width:.4g} (z {b.z:g} x sd {b.sd:.4g}: seeds {b.seed_sd:.4g}, step noise "
+                      f"{b.step_noise_sd:.4g}); untuned rose "
+                      f"{b.centre_first:.4g} -> {b.centre_final:.4g}{rise}, step 0: {b.step0_mean:.4g}", markup=False, highlight=False)
     for item in check.attribution:
         state = "n/a" if item.passed is None else "passes" if item.passed else "still fails"
         console.print(f"without {item.change}: {state}", markup=False, highlight=False)

@@ -8,8 +8,10 @@ with every number it used:
   only: the first value is at step ``window - 1``);
 - the untuned setup runs with ``len(seeds)`` seeds (at least 2) on the same task order; at every
   step their moving averages have a mean (the band's centre) and a sample standard deviation;
-  ``band.seed_sd`` is the root mean square of those standard deviations over the steps;
-- the band's half-width is ``band.z x seed_sd x sqrt(1 + 1/K)`` for K untuned seeds: the spread one
+  ``band.seed_sd`` is the root mean square of those standard deviations over the steps, and
+  ``band.sd`` the larger of it and ``band.step_noise_sd`` (what one run's moving average moves from
+  its own step-to-step noise: two seeds can agree by chance);
+- the band's half-width is ``band.z x sd x sqrt(1 + 1/K)`` for K untuned seeds: the spread one
   more run of the untuned setup would have around the mean of K runs, ``z`` of them;
 - the tuned setup passes when its moving average stays within centre +- half-width at every step
   (``within_band``) and its final-window mean is not below the untuned final-window mean by more
@@ -38,8 +40,11 @@ RunRole = Literal["untuned", "tuned", "reverted"]
 class RewardBand:
     z: float = field(doc="how many seed standard deviations the half-width spans (3: a run of the untuned setup leaves it at a given step about 3 times in 1000)", min=0)
     seed_sd: float = field(doc="root mean square over the steps of the untuned seeds' per-step standard deviation of the moving average", min=0)
-    half_width: float = field(doc="z x seed_sd x sqrt(1 + 1/K): how far the tuned moving average may lie from the untuned mean", min=0)
+    step_noise_sd: float = field(doc="how much one run's moving average moves from its own step-to-step noise: RMS over the seeds of sqrt(mean squared step-to-step reward difference / 2) / sqrt(window)", min=0)
+    sd: float = field(doc="the spread used: the larger of seed_sd and step_noise_sd (two seeds can agree by chance)", min=0)
+    half_width: float = field(doc="z x sd x sqrt(1 + 1/K): how far the tuned moving average may lie from the untuned mean", min=0)
     first_step: int = field(doc="first step with a full window (window - 1): where the band starts", min=0)
+    step0_mean: float = field(doc="the untuned seeds' mean reward at step 0, before any update")
     centre_first: float = field(doc="the untuned seeds' mean moving average at first_step (their first-window mean)")
     centre_final: float = field(doc="the untuned seeds' mean moving average at the last step (their final-window mean)")
     rise: float = field(doc="centre_final - centre_first: how much the untuned setup learned over the run")
@@ -102,7 +107,7 @@ class RewardCheck:
     checks: list[RewardRule] = field(default_factory=list, doc="each part of the rule with its value, threshold and result")
     runs: list[RewardRun] = field(default_factory=list, doc="every run: the untuned seeds, the tuned run, then reverted runs")
     attribution: list[RevertedChange] = field(default_factory=list, doc="for a failing check: the tuned setup re-run with each kept change undone in turn")
-    blamed: list[str] = field(default_factory=list, doc="kept changes whose undoing makes the tuned setup pass: the change(s) to blame")
+    blamed: list[str] = field(default_factory=list, doc="kept changes whose undoing makes the tuned setup pass: the change(s) to blame; a blamed change of several knobs is then undone one knob at a time, and each knob that alone makes it pass is listed as 'change: knob'")
     notes: list[str] = field(default_factory=list, doc="anything a reader should know (an untuned curve that hardly rises, a seed knob the tuned job set, ...)")
     wall_s: float | None = field(None, doc="wall time of the whole check, seconds", min=0)
 

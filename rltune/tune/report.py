@@ -253,7 +253,8 @@ def _reward_section(workdir: Path, event: dict[str, Any]) -> list[str]:
                          "sample age", "status"], rows))
     if check.band is not None:
         b = check.band
-        parts.append(_table(["", ""], [["rule", check.rule], ["half-width", b.half_width], ["seed sd", b.seed_sd],
+        parts.append(_table(["", ""], [["rule", check.rule], ["half-width", b.half_width], ["sd used", b.sd],
+                                       ["seed sd", b.seed_sd], ["step-noise sd", b.step_noise_sd],
                                        ["untuned rise", f"{b.centre_first:.4g} -> {b.centre_final:.4g}"],
                                        ["rise in half-widths", b.rise_in_bands]]))
     if check.attribution:

@@ -9,14 +9,20 @@ spread. The rule is fixed before any run:
    windows only (values at steps W-1 .. N-1).
 2. The untuned setup runs with K >= 2 seeds. At each step t its seeds' moving averages have a
    mean c(t), the band's centre, and a sample standard deviation s(t). The seed spread is
-   ``sd = sqrt(mean_t s(t)^2)``, pooled over the steps because K is small (two seeds give one
+   ``seed_sd = sqrt(mean_t s(t)^2)``, pooled over the steps because K is small (two seeds give one
    degree of freedom per step; one step of two seeds that happen to cross would give a band of 0).
-3. The band's half-width is ``h = z x sd x sqrt(1 + 1/K)``: the standard deviation of one more
+3. Two seeds can also agree by chance over a whole run: on the learning tiny math job two seeds'
+   moving averages (30 steps) stayed within 0.0016 of each other while a third ran 0.02 ahead for
+   50 steps. So the spread used is never less than what one run's moving average moves from its
+   own step-to-step noise: ``step_noise_sd = s / sqrt(W)`` with ``s^2`` half the mean squared
+   step-to-step difference of a run's rewards (RMS over the seeds), and ``sd = max(seed_sd,
+   step_noise_sd)``.
+4. The band's half-width is ``h = z x sd x sqrt(1 + 1/K)``: the standard deviation of one more
    untuned run around the mean of K of them is sd x sqrt(1 + 1/K), and z = 3 leaves a run of the
    untuned setup outside at a given step about 3 times in 1000 -- over the ~N/W nearly independent
    windows of a run, a few per cent of neutral changes, against every one that moves the curve by
    more than the seeds do.
-4. The tuned setup (the first seed) passes when its moving average stays within c(t) +- h at every
+5. The tuned setup (the first seed) passes when its moving average stays within c(t) +- h at every
    step (``within_band``: two-sided, since learning *differently* is what the check looks for) and
    its final-window mean is not below the untuned final-window mean by more than h
    (``final_window``: the number a user adopting the setup reads; (1) covers it at the last step,
@@ -32,7 +38,8 @@ whatever its seed, so the reference workload's presets leave ``model.seed`` fixe
 
 A failing check is attributed: the tuned setup runs again with each kept change undone in turn (as
 the auto journal lists them, else one knob at a time); a change whose undoing makes it pass is
-blamed. Runs write stages.parquet (reward, gap and sample age per step) into their directories;
+blamed, and a blamed change of several knobs (a bundle kept in one trial) is undone one knob at a
+time to say which of them it is. Runs write stages.parquet (reward, gap and sample age per step) into their directories;
 ``reward_check.yaml`` (:mod:`rltune.contracts.reward_check`) holds the band and the verdict. A run
 directory that already holds a finished run of the same knobs and steps is reused, so a check
 interrupted by a kill goes on where it stopped.
@@ -68,8 +75,9 @@ MIN_SEEDS = 2
 # Exit codes, as 'rltune trial': 0 pass, 3 fail, 4 a job failed; 2 is bad input.
 EXIT_PASS, EXIT_FAIL, EXIT_JOB_FAILED = 0, 3, 4
 RULE = ("tuned moving average (trailing, {W} steps) within untuned centre +- h at every step, and tuned "
-        "final-window mean >= untuned final-window mean - h; h = {z:g} x sd x sqrt(1 + 1/K), sd = RMS over "
-        "steps of the per-step sd of the K = {K} untuned seeds' moving averages")
+        "final-window mean >= untuned final-window mean - h; h = {z:g} x sd x sqrt(1 + 1/K), sd = the larger of "
+        "the RMS over steps of the per-step sd of the K = {K} untuned seeds' moving averages and the moving "
+        "average's own step-noise sd (RMS step-to-step difference / sqrt(2 W))")
 
 
 class RewardCheckInputError(RltuneError):
@@ -97,10 +105,11 @@ def moving_average(values: Sequence[float], window: int) -> list[float]:
 
 @dataclass
 class Band:
-    """The untuned seeds' band: centre per full-window step, pooled seed sd and half-width."""
+    """The untuned seeds' band: centre per full-window step, the two spreads, the sd used and the half-width."""
 
     centre: list[float]
     seed_sd: float
+    step_noise_sd: float
     half_width: float
     window: int
     seeds: int
@@ -109,6 +118,19 @@ class Band:
     @property
     def first_step(self) -> int:
         return self.window - 1
+
+    @property
+    def sd(self) -> float:
+        return max(self.seed_sd, self.step_noise_sd)
+
+
+def step_noise_sd(rewards: Sequence[float], window: int) -> float:
+    """How much one run's moving average moves from its own step-to-step noise: s / sqrt(window), where
+    s^2 = mean of squared step-to-step differences / 2 (a step's variance, were steps independent)."""
+    diffs = [b - a for a, b in zip(rewards, rewards[1:], strict=False)]
+    if not diffs:
+        return 0.0
+    return math.sqrt(sum(d * d for d in diffs) / len(diffs) / 2.0) / math.sqrt(window)
 
 
 def seed_band(untuned_rewards: Sequence[Sequence[float]], window: int, z: float = BAND_Z) -> Band:
@@ -126,8 +148,9 @@ def seed_band(untuned_rewards: Sequence[Sequence[float]], window: int, z: float 
         mean = sum(column) / k
         centre.append(mean)
         variances.append(sum((x - mean) ** 2 for x in column) / (k - 1))
-    sd = math.sqrt(sum(variances) / length)
-    return Band(centre, sd, z * sd * math.sqrt(1.0 + 1.0 / k), window, k, z)
+    seed_sd = math.sqrt(sum(variances) / length)
+    noise_sd = math.sqrt(sum(step_noise_sd(r, window) ** 2 for r in untuned_rewards) / k)
+    return Band(centre, seed_sd, noise_sd, z * max(seed_sd, noise_sd) * math.sqrt(1.0 + 1.0 / k), window, k, z)
 
 
 @dataclass
@@ -405,7 +428,9 @@ def run_reward_check(tuned: str | Path, plan: RewardCheckPlan, out_dir: str | Pa
         return RewardCheckOutcome(check, path)
 
     band = seed_band([r.rewards for r in untuned], plan.window, plan.z)
-    band_summary = RewardBand(z=plan.z, seed_sd=band.seed_sd, half_width=band.half_width, first_step=band.first_step,
+    band_summary = RewardBand(z=plan.z, seed_sd=band.seed_sd, step_noise_sd=band.step_noise_sd, sd=band.sd,
+                              half_width=band.half_width, first_step=band.first_step,
+                              step0_mean=sum(r.rewards[0] for r in untuned) / len(untuned),
                               centre_first=band.centre[0], centre_final=band.centre[-1],
                               rise=band.centre[-1] - band.centre[0],
                               rise_in_bands=(band.centre[-1] - band.centre[0]) / band.half_width if band.half_width else None)
@@ -421,30 +446,36 @@ def run_reward_check(tuned: str | Path, plan: RewardCheckPlan, out_dir: str | Pa
 
     attribution: list[RevertedChange] = []
     blamed: list[str] = []
+
+    def undo(label: str, reverted: dict[str, KnobValue], run_id: str) -> RevertedChange:
+        """The tuned setup with ``reverted`` set back, run (or, when that is the untuned setup, its first seed)."""
+        reverted_setup = plan.setup_of({**tuned_job.knobs, **reverted})
+        if reverted_setup:
+            run = runner.run(run_id, "reverted", plan.seeds[0], reverted_setup)
+            runs.append(run.summary)
+            if run.summary.status != "ok":
+                return RevertedChange(change=label, reverted=reverted, run_id=run_id, passed=None)
+        else:
+            run = untuned[0]  # undoing everything the tuned job changed leaves the untuned setup: that run
+        verdict = judge_curve(run.rewards, band)
+        if run.summary.role == "reverted":
+            _mark(run.summary, verdict)
+        return RevertedChange(change=label, reverted=reverted, run_id=run.summary.run_id, passed=verdict.passed,
+                              max_deviation=verdict.max_deviation, final_delta=verdict.final_delta)
+
     if not judgement.passed:
         for number, change in enumerate(changes, 1):
-            reverted_setup = plan.setup_of({**tuned_job.knobs, **change.reverted})
-            if not reverted_setup:
-                # Undoing the only change leaves the untuned setup: its first seed's run is that run.
-                reuse = untuned[0]
-                verdict = judge_curve(reuse.rewards, band)
-                attribution.append(RevertedChange(change=change.label, reverted=change.reverted,
-                                                  run_id=reuse.summary.run_id, passed=verdict.passed,
-                                                  max_deviation=verdict.max_deviation, final_delta=verdict.final_delta))
-            else:
-                run = runner.run(f"without-{number}-s{plan.seeds[0]}", "reverted", plan.seeds[0], reverted_setup)
-                runs.append(run.summary)
-                if run.summary.status != "ok":
-                    attribution.append(RevertedChange(change=change.label, reverted=change.reverted,
-                                                      run_id=run.summary.run_id, passed=None))
-                    continue
-                verdict = judge_curve(run.rewards, band)
-                _mark(run.summary, verdict)
-                attribution.append(RevertedChange(change=change.label, reverted=change.reverted,
-                                                  run_id=run.summary.run_id, passed=verdict.passed,
-                                                  max_deviation=verdict.max_deviation, final_delta=verdict.final_delta))
-            if attribution[-1].passed:
-                blamed.append(change.label)
+            attribution.append(undo(change.label, change.reverted, f"without-{number}-s{plan.seeds[0]}"))
+            if not attribution[-1].passed:
+                continue
+            blamed.append(change.label)
+            if len(change.reverted) > 1:
+                # A change kept as a bundle: which of its knobs is it? Undo each alone.
+                for knob, value in change.reverted.items():
+                    attribution.append(undo(f"{change.label}: {knob}", {knob: value},
+                                            f"without-{number}-{knob}-s{plan.seeds[0]}"))
+                    if attribution[-1].passed:
+                        blamed.append(f"{change.label}: {knob}")
         if changes and not blamed:
             notes.append("undoing any one kept change alone does not make the tuned setup pass: the changes act "
                          "together, or the check failed on noise")
@@ -533,5 +564,5 @@ def last_reward_check(events: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 __all__ = ["BAND_Z", "Band", "CurveJudgement", "KeptChange", "RewardCheckInputError", "RewardCheckOutcome",
-           "RewardCheckPlan", "check_after_tuning", "curves_of", "default_window", "exit_code_of", "judge_curve", "kept_changes",
+           "RewardCheckPlan", "check_after_tuning", "curves_of", "default_window", "exit_code_of", "step_noise_sd", "judge_curve", "kept_changes",
            "last_reward_check", "moving_average", "plan_reward_check", "run_reward_check", "seed_band"]

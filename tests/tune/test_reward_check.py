@@ -54,6 +54,17 @@ def test_band_is_z_pooled_seed_sd_times_the_spread_of_one_more_run():
     assert band.half_width == pytest.approx(BAND_Z * math.sqrt(0.5) * math.sqrt(1 + 1 / 2))
 
 
+def test_two_seeds_that_agree_still_leave_a_band_as_wide_as_one_runs_step_noise():
+    # Identical seeds (seed sd 0) whose rewards alternate 0, 1: each step's variance is 1/4 (mean squared
+    # step-to-step difference 1, halved, is 1/2 -- the variance were steps independent -- a little over);
+    # a 4-step average of such steps moves by sqrt(1/2) / 2.
+    rewards = [0, 1] * 6
+    band = seed_band([rewards, rewards], window=4)
+    assert band.seed_sd == 0 and band.step_noise_sd == pytest.approx(math.sqrt(0.5) / 2)
+    assert band.half_width == pytest.approx(BAND_Z * math.sqrt(0.5) / 2 * math.sqrt(1.5))
+    assert judge_curve([0.25, 1] * 6, band).passed  # averages 0.125 above: inside a 0.65 half-width
+
+
 def test_pooling_keeps_a_band_where_two_seeds_cross():
     # The seeds' averages cross at the middle step (sd 0 there); the pooled band is not 0 at that step.
     band = seed_band([[0, 1, 2, 3], [3, 2, 1, 0]], window=1)
@@ -216,39 +227,47 @@ def test_a_tuned_job_that_crashes_is_exit_4_with_its_log(broken):
     assert "trainer.micro_batch_size" in next(r for r in check.runs if r.role == "tuned").error
 
 
-def test_auto_checks_its_tuned_preset_and_the_report_draws_the_band(broken, tmp_path):
-    """The loop's end with --reward-check: the journal of a finished tuning whose kept change is the
-    broken advantage (its runs are the broken check's), resumed to its finish."""
+def test_auto_checks_its_tuned_preset_blames_the_knob_of_a_bundle_and_the_report_draws_the_band(broken, tmp_path):
+    """The loop's end with --reward-check, on the journal of a finished tuning whose one kept change is
+    a bundle: the broken advantage with the neutral sync transport (resumed to its finish)."""
     from rltune.tune.journal import Journal
 
     folder, against, broken_out, _ = broken
     work = tmp_path / "tune"
-    shutil.copytree(broken_out / "runs", work / "reward-check" / "runs")  # every run of the check is reused
+    runs = work / "reward-check" / "runs"
+    _reuse_untuned(broken_out, work / "reward-check")
+    # Undoing the sync transport alone leaves the broken advantage: the broken check's tuned run is that run.
+    shutil.copytree(broken_out / "runs" / "tuned-s0", runs / "without-1-sync_transport-s0")
     untuned_dir, trial_dir = broken_out / "runs" / "untuned-s0", broken_out / "runs" / "tuned-s0"
     journal = Journal(work / "journal.jsonl")
     base = yaml.safe_load(against.read_text())["knobs"]
-    knobs = {**base, "advantage_sign": -1}
+    knobs = {**base, "advantage_sign": -1, "sync_transport": "inprocess"}
     journal.append("start", job=str(against), job_name="tiny-math-learn-cpu", gpus=0, device="cpu", rl_mode="sync",
                    rounds=1, trial_budget=1, steps=STEPS, baseline_runs=1, library="cases")
     journal.append("baseline", round=0, run_id="r0-untuned", run_ids=["r0-untuned"], run_dir=str(untuned_dir),
                    run_dirs=[str(untuned_dir)], knobs=base, step_s=1.0, step_median_s=1.0, stages_s={},
                    limiting_stage="rollout", problems=[], noise_pct=5.0, noise="")
-    journal.append("trial", round=1, run_id="r1-flip-a1", run_dirs=[str(trial_dir)], candidate="r1-c1",
-                   fixes=["flip_advantage"], group="trainer", knobs=knobs, decision="keep", reason="faster",
-                   step_s=0.5, median_s=0.5, baseline_step_s=1.0, gain_pct=50.0, noise_pct=5.0)
-    journal.append("round_end", round=1, outcome="kept", baseline_run="r1-flip-a1")
-    launches = {p: p.read_text() for p in (work / "reward-check" / "runs").glob("*/launch.json")}
+    journal.append("trial", round=1, run_id="r1-bundle-a1", run_dirs=[str(trial_dir)], candidate="r1-c1",
+                   fixes=["flip_advantage", "inprocess_sync"], group="trainer", knobs=knobs, decision="keep",
+                   reason="faster", step_s=0.5, median_s=0.5, baseline_step_s=1.0, gain_pct=50.0, noise_pct=5.0)
+    journal.append("round_end", round=1, outcome="kept", baseline_run="r1-bundle-a1")
+    reused = {p: p.read_text() for p in runs.glob("*/launch.json")}
     code = main(["auto", str(against), "--workdir", str(work), "--rounds", "1", "--trials", "1", "--tuned-dir",
                  str(tmp_path / "tuned"), "--reward-check", str(STEPS), "--no-live", "--json"])
     assert code == 3
     event = last_reward_check(journal.events())
-    assert event["decision"] == "fail" and event["blamed"] == ["r1-flip-a1 (flip_advantage)"]
+    bundle = "r1-bundle-a1 (flip_advantage+inprocess_sync)"
+    assert event["decision"] == "fail" and event["blamed"] == [bundle, f"{bundle}: advantage_sign"]
     assert [e["event"] for e in journal.events()][-2:] == ["reward_check", "finish"]
     check = load_reward_check(work / event["verdict"])
     assert check.tuned_job == str(tmp_path / "tuned" / "tiny-math-learn-cpu.yaml")
     assert check.window == 2  # the default: a tenth of the steps, at least 2
-    # Every run was reused: no launch record was rewritten.
-    assert {p: p.read_text() for p in launches} == launches and len(launches) == 3
+    assert [(a.change, a.run_id, a.passed) for a in check.attribution] == [
+        (bundle, "untuned-s0", True),                                        # undone: the untuned setup
+        (f"{bundle}: sync_transport", "without-1-sync_transport-s0", False),  # the broken advantage alone fails
+        (f"{bundle}: advantage_sign", "without-1-advantage_sign-s0", True)]  # the neutral transport alone passes
+    # The runs found finished were reused, not run again.
+    assert {p: p.read_text() for p in reused} == reused and len(reused) == 3
     page = (work / "report.html").read_text()
     section = page[page.index("<h2>Reward check</h2>"):]
     assert "FAIL" in section[:400] and 'src="data:image/png;base64,' in section
