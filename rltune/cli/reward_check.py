@@ -102,19 +102,15 @@ def _console():
 
 
 def _show(console, check) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"reward check: {check.decision.upper()} - {check.reason}")
-    for name in ("run", "role", "seed", "first window", "final window", "max |dev|", "gap", "age mean", "status"):
-        table.add_column(name)
-
     def fmt(value) -> str:
-        return "-" if value is None else f"{value:.4g}"
+        return "-" if value is None else f"{value:.3g}"
 
-    for run in check.runs:
-        table.add_row(run.run_id, run.role, str(run.seed), fmt(run.first_window_mean), fmt(run.final_window_mean),
-                      fmt(run.max_deviation), fmt(run.gap_mean), fmt(run.sample_age_mean), run.status)
-    console.print(table)
+    console.print(f"reward check: {check.decision.upper()} - {check.reason}", markup=False, highlight=False)
+    for run in check.runs:  # one line each: run ids of undone changes are long, a table would cut them
+        console.print(f"  {run.run_id}: {run.status}, first window {fmt(run.first_window_mean)}, final window "
+                      f"{fmt(run.final_window_mean)}, max deviation {fmt(run.max_deviation)}, gap {fmt(run.gap_mean)}, "
+                      f"sample age {fmt(run.sample_age_mean)}, step {fmt(run.step_s_mean)} s", markup=False,
+                      highlight=False)
     if check.band is not None:
         b = check.band
         rise = "" if b.rise_in_bands is None else f" ({b.rise_in_bands:.2g} half-widths)"

@@ -193,6 +193,11 @@ def test_a_broken_advantage_fails_the_check_and_the_change_is_blamed(broken):
     # Undoing the one change leaves the untuned setup, whose first seed passes: it is to blame.
     assert [(a.change, a.reverted, a.passed) for a in check.attribution] == [("advantage_sign", {"advantage_sign": 1}, True)]
     assert check.blamed == ["advantage_sign"]
+    # The job's knob rendering passed the seeds: each run's resolved workload config holds its seed and the task order.
+    for run in check.runs:
+        config = yaml.safe_load((out / run.run_dir / "config.yaml").read_text())
+        assert config["orchestrator"]["seed"] == run.seed and config["env"]["seed"] == 0
+        assert config["trainer"]["advantage_sign"] == (-1 if run.role == "tuned" else 1)
     # Every run directory holds reward, gap and sample age for every step.
     for run in check.runs:
         rows = read_stages(out / run.run_dir / "stages.parquet").to_pylist()
