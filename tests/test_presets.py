@@ -17,6 +17,9 @@ WORKLOAD_CONFIGS = sorted((PRESETS / "workload").glob("*.yaml"))
 SYNC_BENCH = sorted((PRESETS / "sync").glob("*.yaml"))
 JOBS = sorted(PRESETS.glob("*.yaml")) + sorted((PRESETS / "tuned").glob("*.yaml"))
 JOBS = [p for p in JOBS if p.name != "knowledge.yaml"]
+# Jobs of the reference workload (rltune dialect); the framework jobs (TRL, verl, prime-rl) are checked
+# against their frameworks' own configs in tests/test_framework_presets.py.
+REFERENCE_JOBS = [p for p in JOBS if load_job(p).launch.dialect == "rltune"]
 # The reference workload's abstract knobs (the names knowledge.yaml and the case library use).
 REFERENCE_KNOBS = {"rl_mode", "max_sample_age", "micro_batch_size", "packing", "grad_checkpointing",
                    "reuse_rollout_logprobs", "engine_max_concurrency", "engine_batching", "num_engines",
@@ -28,7 +31,7 @@ SEED_KNOBS = {"seed", "task_seed"}  # what 'rltune reward-check' sets (sampling)
 def test_every_preset_file_has_a_loader():
     known = set(WORKLOAD_CONFIGS) | set(JOBS) | set(SYNC_BENCH) | {PRESETS / "knowledge.yaml"}
     assert [p for p in ALL if p not in known] == []
-    assert len(JOBS) >= 3 and len(WORKLOAD_CONFIGS) >= 2
+    assert len(REFERENCE_JOBS) >= 3 and len(WORKLOAD_CONFIGS) >= 2
 
 
 @pytest.mark.parametrize("path", SYNC_BENCH, ids=lambda p: p.name)
@@ -50,6 +53,12 @@ def _workload_config_of(job, path):
 
 
 @pytest.mark.parametrize("path", JOBS, ids=lambda p: p.name)
+def test_job_preset_loads(path):
+    job = load_job(path)
+    assert job.launch.knob_map and set(job.launch.knob_map) <= set(job.knobs)
+
+
+@pytest.mark.parametrize("path", REFERENCE_JOBS, ids=lambda p: p.name)
 def test_job_preset_loads_and_its_knobs_are_the_workload_config_values(path):
     job = load_job(path)
     config_path = _workload_config_of(job, path)
@@ -91,3 +100,24 @@ def test_a_learning_job_has_the_knobs_of_the_job_whose_tuned_presets_it_checks(l
     assert {k: v for k, v in job.knobs.items() if k not in SEED_KNOBS} == demo.knobs
     assert {k: v for k, v in job.launch.knob_map.items() if k not in SEED_KNOBS} == demo.launch.knob_map
     assert job.launch.knob_map["seed"] == "orchestrator.seed" and job.launch.knob_map["task_seed"] == "env.seed"
+
+
+def test_every_launcher_has_a_job_preset_and_new_presets_are_found_by_the_glob():
+    launchers = {load_job(p).launch.launcher: p.name for p in JOBS}
+    from rltune.launch import LAUNCHERS
+
+    assert set(LAUNCHERS) - {"torchrun"} <= set(launchers), launchers
+    assert {"cpu-demo-slurm.yaml", "cpu-demo-ray.yaml"} <= {p.name for p in JOBS}
+
+
+@pytest.mark.parametrize("name", ["cpu-demo-slurm.yaml", "cpu-demo-ray.yaml"])
+def test_the_scheduler_demos_are_the_cpu_demo_with_another_launcher(name):
+    import dataclasses
+
+    demo, other = load_job(PRESETS / "cpu-demo.yaml"), load_job(PRESETS / name)
+    launch_fields = {"launcher", "slurm_args", "ray_address", "ray_args"}
+    assert other.launch.launcher != demo.launch.launcher
+    for f in dataclasses.fields(other.launch):
+        if f.name not in launch_fields:
+            assert getattr(other.launch, f.name) == getattr(demo.launch, f.name), f.name
+    assert dataclasses.replace(other, launch=demo.launch) == demo

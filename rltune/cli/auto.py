@@ -14,7 +14,8 @@ the evidence is thin, with a forecast range that reaches that gate. Stops when n
 forecast or range reaches the gate, the trial budget is spent or the rounds run out, then writes
 the tuned preset, the savings by technique and report.html. Every decision goes to
 WORKDIR/journal.jsonl: after a crash or kill -9, run the same command again (from any directory)
-and it goes on where it stopped.
+and it goes on where it stopped: runs still on a SLURM or Ray cluster are followed again, a local
+run left over is cancelled and run again. --parallel K runs up to K candidates of a round at once.
 
 Example:
 
@@ -35,6 +36,7 @@ def register(app: typer.Typer) -> None:
         knowledge: Path = typer.Option(None, "--knowledge", help="knowledge base (default presets/knowledge.yaml)"),
         tuned_dir: Path = typer.Option(Path("presets/tuned"), "--tuned-dir", help="where the tuned preset is written"),
         allow_needs: bool = typer.Option(False, "--allow-needs", help="also try fixes that need hardware beyond the budget"),
+        parallel: int = typer.Option(1, "--parallel", min=1, help="run up to this many trials of a round at once (each its own run or allocation)"),
         reward_check: int = typer.Option(None, "--reward-check", help="then run 'rltune reward-check' of the tuned preset for this many steps (exit 3 if it fails)"),
         reward_against: Path = typer.Option(None, "--reward-against", help="untuned job the reward check runs on (default JOB; it needs seed and task_seed knobs)"),
         live: bool = typer.Option(True, "--live/--no-live", help="live view on stderr"),
@@ -54,7 +56,7 @@ def register(app: typer.Typer) -> None:
         view = _LiveView(live, trials)
         loop = AutoLoop(job, workdir, rounds=rounds, trial_budget=trials, max_trials_per_round=per_round, steps=steps,
                         library=library, knowledge=knowledge, tuned_dir=tuned_dir, allow_needs=allow_needs,
-                        on_event=view.update, reward_check=plan)
+                        parallel=parallel, on_event=view.update, reward_check=plan)
         view.workdir = loop.workdir
         with view:
             result = loop.run()

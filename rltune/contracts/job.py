@@ -12,6 +12,8 @@ abstract knob sets; ``launch.dialect`` says how an override is spelled on the co
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -69,18 +71,88 @@ class GpuBudget:
             raise FieldProblem("trainer", f"trainer + rollout GPUs ({self.trainer + self.rollout}) exceed count ({self.count})")
 
 
+# sbatch options rltune derives from the job itself; a second value in slurm_args would contradict it.
+SLURM_ARGS_SET_BY_RLTUNE = {
+    "--time": "from launch.timeout_s", "-t": "from launch.timeout_s",
+    "--output": "the run directory's launch.log", "-o": "the run directory's launch.log",
+    "--error": "merged into launch.log", "-e": "merged into launch.log",
+    "--job-name": "rltune-<run id>", "-J": "rltune-<run id>",
+    "--chdir": "from launch.workdir", "-D": "from launch.workdir",
+    "--parsable": "to read the job id", "--wait": "rltune follows the job", "-W": "rltune follows the job",
+    "--array": "one trial is one job", "-a": "one trial is one job",
+}
+_RAY_ADDRESS = re.compile(r"https?://[A-Za-z0-9.\-]+:\d{1,5}/?")
+# 'ray job submit' option -> (JobSubmissionClient.submit_job keyword, how its value is read).
+_RAY_OPTIONS = {
+    "--entrypoint-num-cpus": ("entrypoint_num_cpus", float),
+    "--entrypoint-num-gpus": ("entrypoint_num_gpus", float),
+    "--entrypoint-memory": ("entrypoint_memory", int),
+    "--entrypoint-resources": ("entrypoint_resources", json.loads),
+    "--runtime-env-json": ("runtime_env", json.loads),
+    "--metadata-json": ("metadata", json.loads),
+}
+
+
+def ray_submit_options(args: list[str]) -> dict[str, Any]:
+    """``launch.ray_args`` as keyword arguments of Ray's ``JobSubmissionClient.submit_job``.
+
+    Spelled as for ``ray job submit`` (``--opt=value`` or ``--opt value``); raises ValueError naming
+    the option that is unknown or whose value does not read.
+    """
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        flag, eq, value = args[i].partition("=")
+        if flag not in _RAY_OPTIONS:
+            raise ValueError(f"unknown option {args[i]!r}; expected one of {', '.join(_RAY_OPTIONS)}")
+        if not eq:
+            if i + 1 >= len(args):
+                raise ValueError(f"{flag} needs a value")
+            i += 1
+            value = args[i]
+        key, read = _RAY_OPTIONS[flag]
+        try:
+            parsed = read(value)
+        except ValueError:
+            raise ValueError(f"{flag}: cannot read {value!r} as {'JSON' if read is json.loads else read.__name__}") from None
+        if read is json.loads and not isinstance(parsed, dict):
+            raise ValueError(f"{flag}: expected a JSON object, found {value!r}")
+        if key in ("entrypoint_num_cpus", "entrypoint_num_gpus", "entrypoint_memory") and parsed < 0:
+            raise ValueError(f"{flag}: must not be negative, found {value!r}")
+        out[key] = parsed
+        i += 1
+    return out
+
+
 @dataclass
 class LaunchSpec:
     command: list[str] = field(doc="argv of the job, no shell; '{run_dir}' and '{steps}' are filled in")
-    launcher: Literal["local", "torchrun", "slurm"] = field("local", doc="how the argv is started")
+    launcher: Literal["local", "torchrun", "slurm", "ray"] = field("local", doc="how the argv is started: here (local, torchrun), as a SLURM batch job (slurm) or as a Ray job (ray)")
     dialect: Dialect = field("rltune", doc="how an override is spelled: rltune/hydra 'a.b=v', prime-rl '--a.b v', argparse '--flag v'")
     knob_map: dict[str, str] = field(default_factory=dict, doc="abstract knob -> the job's own override key")
     steps_override: str | None = field(None, doc="override key that sets the number of steps (e.g. 'trainer.total_steps')")
     workdir: str = field(".", doc="working directory, relative to job.yaml")
     env: dict[str, str] = field(default_factory=dict, doc="extra environment variables")
-    timeout_s: float = field(1800.0, doc="wall-clock limit of one run; a run past it is killed and recorded as failed", min=1)
+    timeout_s: float = field(1800.0, doc="wall-clock limit of one run; a run past it is killed and recorded as failed (slurm, ray: counted from when the job starts)", min=1)
+    queue_timeout_s: float | None = field(None, doc="slurm, ray: how long a run may wait in the scheduler's queue before it is cancelled as timed out (null: no limit)", min=1)
     nproc_per_node: int = field(1, doc="torchrun: processes per node", min=1)
-    slurm_args: list[str] = field(default_factory=list, doc="slurm: extra srun arguments")
+    slurm_args: list[str] = field(default_factory=list, doc="slurm: the allocation's arguments (--partition, --nodes, --gpus-per-node, ...), given to sbatch and to the srun inside it; rltune sets --time, --output, --job-name and --chdir itself")
+    ray_address: str | None = field(None, doc="ray: the cluster's jobs API, http://HEAD:8265 (null: $RAY_API_SERVER_ADDRESS or $RAY_ADDRESS)")
+    ray_args: list[str] = field(default_factory=list, doc="ray: 'ray job submit' options: --entrypoint-num-cpus=N, --entrypoint-num-gpus=N, --entrypoint-memory=BYTES, --entrypoint-resources=JSON, --runtime-env-json=JSON, --metadata-json=JSON")
+
+    def validate(self) -> None:
+        for i, arg in enumerate(self.slurm_args):
+            # '--time=10', '--time 10' (two items) and the short '-t10' / '-t 10' all name the option.
+            flag = arg.split("=", 1)[0] if arg.startswith("--") else arg[:2]
+            if flag in SLURM_ARGS_SET_BY_RLTUNE:
+                raise FieldProblem(f"slurm_args[{i}]", f"rltune sets {flag} itself ({SLURM_ARGS_SET_BY_RLTUNE[flag]}); remove it")
+        try:
+            ray_submit_options(self.ray_args)
+        except ValueError as exc:
+            raise FieldProblem("ray_args", str(exc)) from None
+        if self.ray_address is not None and not _RAY_ADDRESS.fullmatch(self.ray_address):
+            raise FieldProblem("ray_address", f"expected the jobs API address http(s)://HOST:PORT (the dashboard's, "
+                                              f"8265 by default), found {self.ray_address!r}")
 
 
 @dataclass

@@ -7,9 +7,10 @@ translated through ``launch.knob_map`` and spelled in ``launch.dialect``. A tune
 preset therefore reproduces its run, and the resolved job.yaml written into the run directory
 (knobs as run, steps set, absolute working directory) says exactly what ran. A knob without a
 ``knob_map`` entry only describes the job; overriding it to another value is an error. The argv
-is wrapped in the launcher and run in its own process group (see :mod:`rltune.launch.process`). A
-crash is not an exception here: it comes back as a non-zero :attr:`LaunchResult.returncode`;
-callers decide.
+is wrapped in the launcher and started through it (:mod:`rltune.launch.launchers`: a process group
+here, a SLURM batch job, a Ray job). launch.json in the run directory holds the job's identity from
+the moment it is submitted, and the result once it has ended. A crash is not an exception here: it
+comes back as a non-zero :attr:`LaunchResult.returncode`; callers decide.
 """
 
 from __future__ import annotations
@@ -20,40 +21,22 @@ import os
 import shutil
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from rltune.contracts.job import JobSpec, KnobValue, save_job
 from rltune.errors import LaunchError
+from rltune.launch.base import RESULT_NAME as RESULT_NAME  # its old home; launch.json is written by base
+from rltune.launch.base import LaunchResult, Submission, result_record, write_record
 from rltune.launch.dialects import render_overrides
-from rltune.launch.launchers import launcher_argv
-from rltune.launch.process import run_process, tail
+from rltune.launch.launchers import launcher_argv, make_launcher
 
 LOG_NAME = "launch.log"
-RESULT_NAME = "launch.json"
 JOB_NAME = "job.yaml"
 
 
 class UnmappedKnobError(LaunchError):
     """An override names an abstract knob the job's launch.knob_map does not translate."""
-
-
-@dataclass
-class LaunchResult:
-    argv: list[str]
-    returncode: int
-    timed_out: bool
-    wall_s: float
-    log_path: Path
-    run_dir: Path
-
-    @property
-    def ok(self) -> bool:
-        return self.returncode == 0 and not self.timed_out
-
-    def log_tail(self, n: int = 20) -> str:
-        """The last ``n`` lines of the job's combined stdout/stderr."""
-        return tail(self.log_path, n)
 
 
 def _fill(text: str, run_dir: Path, steps: int) -> str:
@@ -135,8 +118,14 @@ def _child_env(job: JobSpec) -> dict[str, str]:
 
 
 def run_job(job: JobSpec, job_path: Path, run_dir: Path, overrides: dict[str, KnobValue] | None = None,
-            steps: int | None = None, on_output: Callable[[str], None] | None = None) -> LaunchResult:
-    """Run ``job`` once in ``run_dir``; see the module docstring. Raises LaunchError only if it cannot start."""
+            steps: int | None = None, on_output: Callable[[str], None] | None = None,
+            on_submit: Callable[[dict[str, Any]], None] | None = None) -> LaunchResult:
+    """Run ``job`` once in ``run_dir``; see the module docstring. Raises LaunchError only if it cannot start.
+
+    ``on_submit(identity)`` is called once the job is submitted, before it is waited for, with its
+    JSON identity (:class:`~rltune.launch.base.JobIdentity`): journal it, and after a crash
+    :func:`rltune.launch.reattach` finds the job again.
+    """
     job_path = Path(job_path)
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -149,10 +138,46 @@ def run_job(job: JobSpec, job_path: Path, run_dir: Path, overrides: dict[str, Kn
         raise LaunchError(f"{job_path}: launch.command[0]: {argv[0]!r} is not on PATH; give a full path or install it")
     save_job(resolved_job(job, job_path, overrides, steps), run_dir / JOB_NAME)
     log_path = run_dir / LOG_NAME
-    outcome = run_process(argv, cwd=workdir, env=env, timeout_s=job.launch.timeout_s, log_path=log_path,
-                          on_output=on_output)
-    result = LaunchResult(argv=argv, returncode=outcome.returncode, timed_out=outcome.timed_out,
-                          wall_s=outcome.wall_s, log_path=log_path, run_dir=run_dir)
-    record = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(result).items()}
-    (run_dir / RESULT_NAME).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    handle = make_launcher(job.launch, str(job_path)).submit(Submission(
+        argv=argv, cwd=workdir, env=env, run_dir=run_dir, log_path=log_path, timeout_s=job.launch.timeout_s,
+        name=run_dir.name, queue_timeout_s=job.launch.queue_timeout_s, on_output=on_output))
+    try:
+        write_record(run_dir, {"state": "submitted", "identity": handle.identity.to_json()})
+        if on_submit is not None:
+            on_submit(handle.identity.to_json())
+    except BaseException:
+        handle.cancel()
+        raise
+    result = handle.follow()
+    write_record(run_dir, result_record(result))
+    return result
+
+
+def resume_job(identity: dict[str, Any], on_output: Callable[[str], None] | None = None) -> LaunchResult:
+    """The result of a run submitted by an earlier process (rltune killed while it ran).
+
+    A run whose launch.json already holds its result is read from there. A job still known to its
+    scheduler is followed to its end (its limits count from its own start); one that finished while
+    nobody watched gives its exit state. A job nobody can find any more (a local process group that
+    died with rltune, a cluster that forgot it) comes back ``lost``: the caller runs it again.
+    """
+    from rltune.launch.launchers import reattach
+
+    run_dir = Path(identity["run_dir"])
+    try:
+        record = json.loads((run_dir / RESULT_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        record = {}
+    if isinstance(record, dict) and isinstance(record.get("returncode"), int) and record.get("state"):
+        return LaunchResult(argv=list(record.get("argv") or []), returncode=record["returncode"],
+                            timed_out=bool(record.get("timed_out")), wall_s=float(record.get("wall_s") or 0.0),
+                            log_path=Path(record.get("log_path") or run_dir / LOG_NAME), run_dir=run_dir,
+                            state=record["state"], identity=record.get("identity") or identity)
+    handle = reattach(identity, on_output)
+    state = handle.poll()
+    if state.finished:
+        result = handle.result(state)
+    else:
+        result = handle.follow()
+    write_record(run_dir, result_record(result))
     return result

@@ -38,7 +38,7 @@ class ProcessOutcome:
     wall_s: float
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     """True while a member of the group is still running (zombies, which hold no resources, do not count)."""
     try:
         os.killpg(pgid, 0)
@@ -71,7 +71,7 @@ def kill_group(pgid: int, grace_s: float | None = None) -> None:
         return
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
-        if not _group_alive(pgid):
+        if not group_alive(pgid):
             return
         time.sleep(0.05)
     try:
@@ -81,13 +81,37 @@ def kill_group(pgid: int, grace_s: float | None = None) -> None:
     # SIGKILL is delivered asynchronously; wait (briefly: an exited member may linger as a zombie until
     # its new parent reaps it) so that callers see the group gone when this returns.
     deadline = time.monotonic() + REAP_WAIT_S
-    while time.monotonic() < deadline and _group_alive(pgid):
+    while time.monotonic() < deadline and group_alive(pgid):
         time.sleep(0.02)
 
 
-def run_process(argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float, log_path: Path,
-                on_output: Callable[[str], None] | None = None) -> ProcessOutcome:
-    """Run ``argv`` to completion or time-out; return its exit code, whether it timed out, and wall time."""
+class StartedProcess:
+    """A started argv: its process group, the thread that copies its output into the log, and cleanup."""
+
+    def __init__(self, proc: subprocess.Popen, reader: threading.Thread, started: float):
+        self.proc = proc
+        self.pgid = proc.pid  # a new session's leader is its group's leader
+        self.reader = reader
+        self.started = started
+        self._finished = False
+
+    def finish(self) -> int:
+        """Kill what is left of the group, reap the leader, drain the log; return the exit code (idempotent)."""
+        if not self._finished:
+            # Whatever happened, nothing of the job's group may survive it (children that ignored the
+            # leader's exit, a forked server, a worker blocked on a pipe).
+            kill_group(self.pgid)
+            self.proc.wait()
+            self.reader.join(DRAIN_TIMEOUT_S)
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+            self._finished = True
+        return self.proc.returncode
+
+
+def start_process(argv: list[str], *, cwd: Path, env: dict[str, str], log_path: Path,
+                  on_output: Callable[[str], None] | None = None) -> StartedProcess:
+    """Start ``argv`` in a new process group, its stdout and stderr appended to ``log_path`` line by line."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     try:
@@ -99,7 +123,6 @@ def run_process(argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: f
         raise LaunchError(f"working directory {cwd} does not exist; check launch.workdir") from None
     except PermissionError as exc:
         raise LaunchError(f"cannot start {argv[0]!r}: {exc.strerror}; make it executable") from None
-    pgid = proc.pid  # a new session's leader is its group's leader
 
     def pump() -> None:
         assert proc.stdout is not None
@@ -114,21 +137,22 @@ def run_process(argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: f
 
     reader = threading.Thread(target=pump, name="rltune-log-pump", daemon=True)
     reader.start()
+    return StartedProcess(proc, reader, start)
+
+
+def run_process(argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float, log_path: Path,
+                on_output: Callable[[str], None] | None = None) -> ProcessOutcome:
+    """Run ``argv`` to completion or time-out; return its exit code, whether it timed out, and wall time."""
+    started = start_process(argv, cwd=cwd, env=env, log_path=log_path, on_output=on_output)
     timed_out = False
     try:
         try:
-            proc.wait(timeout=timeout_s)
+            started.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             timed_out = True
     finally:
-        # Whatever happened, nothing of the job's group may survive it (children that ignored the
-        # leader's exit, a forked server, a worker blocked on a pipe).
-        kill_group(pgid)
-        proc.wait()
-        reader.join(DRAIN_TIMEOUT_S)
-        if proc.stdout is not None:
-            proc.stdout.close()
-    return ProcessOutcome(returncode=proc.returncode, timed_out=timed_out, wall_s=time.monotonic() - start)
+        returncode = started.finish()
+    return ProcessOutcome(returncode=returncode, timed_out=timed_out, wall_s=time.monotonic() - started.started)
 
 
 def tail(path: Path, lines: int = 20) -> str:

@@ -130,22 +130,34 @@ def _merge_engine_metrics(table: pa.Table, per_step: dict[int, dict[str, float]]
 
 
 def _launch(job: JobSpec, job_path: Path, run: RecordedRun, overrides, steps, metrics: Path,
-            on_output: Callable[[str], None] | None) -> tuple[LaunchResult, dict[int, dict[str, float]], int]:
-    """Run the job, scraping its vLLM /metrics endpoint alongside when the job names one."""
+            on_output: Callable[[str], None] | None, on_submit: Callable[[dict], None] | None,
+            resume: dict | None) -> tuple[LaunchResult, dict[int, dict[str, float]], int]:
+    """Run the job (or follow the one ``resume`` names), scraping its vLLM /metrics endpoint alongside."""
+    from rltune.launch import resume_job
     from rltune.profile.scrape import StepScraper
 
+    def start() -> LaunchResult:
+        if resume is not None:
+            return resume_job(resume, on_output)
+        return run_job(job, job_path, run.run_dir, overrides=overrides, steps=steps, on_output=on_output,
+                       on_submit=on_submit)
+
     if not job.metrics.vllm_metrics_url:
-        return run_job(job, job_path, run.run_dir, overrides=overrides, steps=steps, on_output=on_output), {}, 0
+        return start(), {}, 0
     scraper = StepScraper(job.metrics.vllm_metrics_url, metrics)
     with scraper:
-        launch = run_job(job, job_path, run.run_dir, overrides=overrides, steps=steps, on_output=on_output)
+        launch = start()
     return launch, scraper.per_step, scraper.failures
 
 
 def record_run(job_path: str | Path, run_dir: str | Path, *, job: JobSpec | None = None, run_id: str | None = None,
                overrides: dict[str, KnobValue] | None = None, steps: int | None = None,
-               on_output: Callable[[str], None] | None = None) -> RecordedRun:
+               on_output: Callable[[str], None] | None = None, on_submit: Callable[[dict], None] | None = None,
+               resume: dict | None = None) -> RecordedRun:
     """Run the job with ``overrides`` in ``run_dir``; write its stage table and diagnosis there.
+
+    ``on_submit(identity)`` gets the launcher's identity of the job once it is submitted (journal it);
+    ``resume`` (such an identity) records the run an earlier process submitted instead of starting one.
 
     Never raises for the job's own failure (crash, time-out, no or unreadable metrics): that comes
     back as a run with status 'failed' or 'timed_out', the cause and the log tail. Bad input that
@@ -158,9 +170,13 @@ def record_run(job_path: str | Path, run_dir: str | Path, *, job: JobSpec | None
     run = RecordedRun(run_id=run_id or run_dir.name, run_dir=run_dir, knobs=run_knobs(job, overrides),
                       warmup_steps=resolved.limits.warmup_steps, started_at=time.time())
     metrics = metrics_path_of(job, job_path, run_dir)
-    launch, per_step, scrape_failures = _launch(job, job_path, run, overrides, steps, metrics, on_output)
+    launch, per_step, scrape_failures = _launch(job, job_path, run, overrides, steps, metrics, on_output, on_submit,
+                                                resume)
     run.launch, run.finished_at = launch, max(time.time(), run.started_at)
-    if not launch.ok:
+    if launch.state == "lost":
+        run._fail("failed", "lost", "was lost: its launcher no longer knows the job (it died with the process that "
+                                    "followed it, or the cluster forgot it); run it again")
+    elif not launch.ok:
         if launch.timed_out:
             run._fail("timed_out", "timed_out", f"ran past launch.timeout_s ({job.launch.timeout_s:g} s) and was killed")
         else:

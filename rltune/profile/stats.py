@@ -77,9 +77,22 @@ def relative_spread(means: Sequence[float]) -> float | None:
 
 
 def standard_error_frac(rows: Sequence[Row], column: str = "step_s", steps: Sequence[int] | None = None) -> float | None:
-    """Standard error of the mean of ``column`` over ``steps``, as a fraction of the mean."""
-    values = values_over(rows, column, steps)
+    """Standard error of the mean of ``column`` over ``steps``, as a fraction of the mean.
+
+    Computed from the means of consecutive pairs of steps (batch means): fully async steps
+    alternate (a burst of finished groups, then a wait), and such a pattern averages out within
+    each pair, whereas treating the steps as independent would count it as noise. For independent
+    steps the two estimates agree. Fewer than four steps: from the single steps.
+    """
+    values = [v for _, v in sorted((int(r["step"]), v) for r in rows if not r.get("warmup")
+                                   and (steps is None or int(r["step"]) in set(steps))
+                                   for v in [number(r.get(column))] if v is not None)]
     if len(values) < 2:
         return None
     centre = sum(values) / len(values)
-    return statistics.stdev(values) / math.sqrt(len(values)) / centre if centre > 0 else None
+    if centre <= 0:
+        return None
+    if len(values) >= 4:
+        pairs = [(values[i] + values[i + 1]) / 2 for i in range(0, len(values) - 1, 2)]
+        return statistics.stdev(pairs) / math.sqrt(len(pairs)) / centre
+    return statistics.stdev(values) / math.sqrt(len(values)) / centre

@@ -5,7 +5,7 @@ every element operation; the Triton kernels beside it are compared with it bit f
 
 Public API (each module's docstring has a usage example):
 
-- ``rltune.sync.sender.DeltaPublisher(model, optimizer, root, interval, rank=0, world=1, ...)``
+- ``rltune.sync.sender.DeltaPublisher(model, optimizer, root, interval, ..., config=DeltaPublisherConfig(...))``
   with ``.step()`` (replaces ``optimizer.step()``) and ``.publish(step)``; ``SignSGD``.
 - ``rltune.sync.chunked.chunked_step(optimizer, hook, max_elements)`` and ``DeltaRecorder``: the
   optimizer step in updates of at most ``max_elements`` (small parameters together, large ones in
@@ -23,4 +23,9 @@ Public API (each module's docstring has a usage example):
 - ``rltune.sync.ops``: relative-delta reference ops (``wire_diff``, ``wire_add``,
   ``apply_mapped_delta_ref``) that a GPU kernel must match.
 - ``rltune.sync.toy_engine.ToyEngine``: a small vLLM-style engine (fused qkv/gate_up, TP slicing).
+- ``rltune.sync.transports``: the one weight-sync transport layer (a trainer-side ``Publisher``, an
+  engine-side ``Loader``; filesystem, inprocess, sparse_delta, nccl; ``make_publisher``), used by
+  the reference workload and sync-bench.
+- ``rltune.sync.vllm``: the worker extension and ``VllmReceiver`` for real vLLM engines.
+- ``rltune.sync.bench``: the sync-bench harness.
 """

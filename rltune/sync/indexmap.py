@@ -1,10 +1,22 @@
 """Checkpoint element -> engine parameter element map, recorded from the engine's own loader.
 
 The map is recorded once by running the engine's ``load_weights(iterable of (name, tensor))`` on a
-copy of the engine built with int64 parameters filled with -1, fed placeholder tensors whose
-elements hold ``(tensor id << 40) | element index``. Whatever packing (fused qkv, gate_up), name
-mapping and tensor-parallel slicing the loader does, it does to the placeholders, so afterwards
-every parameter element says which checkpoint element it holds: no per-model tables.
+copy of the engine whose parameters are filled with a marker (NaN, or -1 for integer parameters),
+fed placeholder tensors whose elements hold *codes*: ``BASE + g``, with ``g`` the element's index
+in the concatenation of every checkpoint tensor (flat, in ``spec`` order). Whatever packing (fused
+qkv, gate_up), name mapping and tensor-parallel slicing the loader does, it does to the codes, so
+afterwards every parameter element says which checkpoint element it holds: no per-model tables.
+
+An element still holding the marker was written by nothing. An element the loader set to a value
+outside the code range (vLLM zero-fills the padding rows of its padded vocabulary) holds no
+checkpoint element either: it is *engine-only*, and no delta, anchor or checksum touches it. Codes
+start at ``BASE = 2**40``, far above any constant a loader writes, so a padding row can never
+pass for element 0 of tensor 0. A code that is not an integer means the loader computed with the
+values (a conversion that transforms them), which the delta path cannot follow: it raises.
+
+The copy of the engine may hold its parameters as int64 or as float64 (an engine whose modules can
+only be built with a floating default dtype, like vLLM's); float64 holds every code exactly as long
+as the checkpoint has fewer than 2^53 - 2^40 elements.
 
 The map is stored as *runs*: ``(checkpoint start, length, parameter, parameter start)`` over which
 both sides advance by one, so a row slice is one run and a column slice one run per row.
@@ -18,14 +30,15 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from rltune.sync.format import MAX_TENSOR_ELEMENTS, IndexMapError
 
-_ID_SHIFT = 40
+BASE = 1 << 40  # the first code; every checkpoint element's code is BASE + its global index
+_FLOAT_EXACT = 1 << 53
 
 
 @dataclass
@@ -52,64 +65,151 @@ class TensorRuns:
         return held, self.param[rh], self.param_start[rh] + idx[held] - self.ckpt_start[rh]
 
 
+@dataclass
 class IndexMap:
     """Per checkpoint tensor, the runs of elements this engine worker holds."""
 
-    def __init__(self, param_names: list[str], tensors: dict[str, TensorRuns]):
-        self.param_names = param_names
-        self.tensors = tensors
+    param_names: list[str]
+    tensors: dict[str, TensorRuns]
+    engine_only: dict[str, int] = field(default_factory=dict)  # parameter -> elements no checkpoint element fills
 
     @classmethod
     def record(cls, build_engine: Callable[[torch.dtype], torch.nn.Module],
-               spec: dict[str, tuple[list[int], str]]) -> IndexMap:
-        """Record by running ``build_engine(torch.int64).load_weights`` on placeholders.
+               spec: dict[str, tuple[list[int], str]], placeholder_dtype: torch.dtype = torch.int64,
+               source: str = "the checkpoint") -> IndexMap:
+        """Record by running ``build_engine(placeholder_dtype).load_weights`` on placeholders.
 
         ``spec``: checkpoint name -> (shape, dtype name), e.g. from a manifest's ``tensors``.
+        ``placeholder_dtype``: int64 or float64, the dtype the copy's parameters are built in.
+        ``source`` names where ``spec`` came from (a manifest path) in error messages.
+        A parameter of the engine that no checkpoint element reaches raises :class:`IndexMapError`
+        (the checkpoint is of another model), as does a tensor the loader refuses.
         """
-        engine = build_engine(torch.int64)
-        params = dict(engine.named_parameters())
-        for p in params.values():
-            p.data.fill_(-1)
+        if placeholder_dtype not in (torch.int64, torch.float64):
+            raise IndexMapError(f"placeholder_dtype must be torch.int64 or torch.float64, not {placeholder_dtype}")
         names = list(spec)
-        if len(names) >= 1 << (63 - _ID_SHIFT):
-            raise IndexMapError(f"{len(names)} checkpoint tensors exceed the recorder's id space")
+        numels = [_numel(name, spec[name][0]) for name in names]
+        starts = np.concatenate(([0], np.cumsum(numels, dtype=np.int64))).astype(np.int64)
+        total = int(starts[-1])
+        if placeholder_dtype == torch.float64 and BASE + total > _FLOAT_EXACT:
+            raise IndexMapError(f"{source}: {total} checkpoint elements exceed what float64 placeholders hold "
+                                "exactly; build the recording engine with int64 parameters")
+        engine = build_engine(placeholder_dtype)
+        params = dict(engine.named_parameters())
+        marker = -1 if placeholder_dtype == torch.int64 else float("nan")
+        for p in params.values():
+            if p.dtype != placeholder_dtype:
+                raise IndexMapError(f"engine parameter is {p.dtype}, not the placeholder dtype {placeholder_dtype}: "
+                                    "build_engine must make every parameter in the dtype it is given")
+            p.data.fill_(marker)
 
         def placeholders():
-            for tid, name in enumerate(names):
-                shape = spec[name][0]
-                numel = int(np.prod(shape)) if shape else 1
-                if numel > MAX_TENSOR_ELEMENTS:
-                    raise IndexMapError(f"{name}: {numel} elements exceed 2^40")
-                yield name, (torch.arange(numel, dtype=torch.int64) | (tid << _ID_SHIFT)).reshape(shape)
+            for name, shape, start, numel in zip(names, (spec[n][0] for n in names), starts[:-1].tolist(), numels,
+                                                 strict=True):
+                codes = torch.arange(BASE + start, BASE + start + numel, dtype=torch.int64)
+                yield name, codes.to(placeholder_dtype).reshape(shape)
 
-        engine.load_weights(placeholders())
+        try:
+            engine.load_weights(placeholders())
+        except (KeyError, AssertionError, ValueError, RuntimeError, IndexError) as exc:
+            raise IndexMapError(f"{source}: the engine's load_weights refused the checkpoint's tensors "
+                                f"({type(exc).__name__}: {exc}); the broadcast is of another model than the engine "
+                                "serves: point the engine at the trainer's broadcast root") from None
         param_names = list(params)
-        per_tensor: dict[int, list[np.ndarray]] = {}
+        runs: list[np.ndarray] = []  # rows of (tensor id, checkpoint start, length, parameter id, parameter start)
+        engine_only: dict[str, int] = {}
         for pid, pname in enumerate(param_names):
-            flat = params[pname].data.reshape(-1).numpy()
-            pos = np.nonzero(flat >= 0)[0]
-            vals = flat[pos]
-            tids = vals >> _ID_SHIFT
-            for tid in np.unique(tids):
-                sel = tids == tid
-                per_tensor.setdefault(int(tid), []).append(
-                    np.stack([vals[sel] & ((1 << _ID_SHIFT) - 1), np.full(sel.sum(), pid), pos[sel]]))
-        tensors = {}
-        for tid, name in enumerate(names):
-            shape = spec[name][0]
-            numel = int(np.prod(shape)) if shape else 1
-            if tid not in per_tensor:
-                empty = np.zeros(0, dtype=np.int64)
-                tensors[name] = TensorRuns(name, numel, empty, empty, empty, empty)
+            pos, g = _codes_held(params[pname].data.reshape(-1), placeholder_dtype, total, source, pname)
+            if pos is None:
                 continue
-            ckpt, pid, pos = np.concatenate(per_tensor[tid], axis=1)
-            order = np.argsort(ckpt, kind="stable")
-            ckpt, pid, pos = ckpt[order], pid[order], pos[order]
-            if np.any(np.diff(ckpt) == 0):
+            if len(pos) < params[pname].numel():
+                written_other = _written_elements(params[pname].data.reshape(-1), placeholder_dtype) - len(pos)
+                if written_other:
+                    engine_only[pname] = written_other
+            if not len(pos):
+                continue
+            # maximal spans over which the parameter position and the code both advance by one (O(n))
+            brk = np.flatnonzero((np.diff(pos) != 1) | (np.diff(g) != 1)) + 1
+            first = np.concatenate(([0], brk))
+            length = np.diff(np.concatenate((first, [len(pos)])))
+            runs.append(_split_at_tensors(g[first], length, pos[first], pid, starts))
+        tensors = {}
+        table = np.concatenate(runs, axis=1) if runs else np.zeros((5, 0), dtype=np.int64)
+        order = np.lexsort((table[1], table[0]))
+        table = table[:, order]
+        bounds = np.searchsorted(table[0], np.arange(len(names) + 1))
+        for tid, name in enumerate(names):
+            tid_runs = table[:, bounds[tid]:bounds[tid + 1]]
+            _, ckpt, length, pid, pos = tid_runs
+            if len(ckpt) > 1 and np.any(ckpt[1:] < ckpt[:-1] + length[:-1]):
                 raise IndexMapError(f"{name}: the engine writes some checkpoint elements to two places in one worker; "
                                     "the delta path needs one place per element")
-            brk = np.nonzero((np.diff(ckpt) != 1) | (np.diff(pos) != 1) | (np.diff(pid) != 0))[0] + 1
-            starts = np.concatenate(([0], brk))
-            lengths = np.diff(np.concatenate((starts, [len(ckpt)])))
-            tensors[name] = TensorRuns(name, numel, ckpt[starts], lengths, pid[starts], pos[starts])
-        return cls(param_names, tensors)
+            tensors[name] = TensorRuns(name, numels[tid], ckpt.copy(), length.copy(), pid.copy(), pos.copy())
+        return cls(param_names, tensors, engine_only)
+
+
+def _codes_held(flat: torch.Tensor, placeholder_dtype: torch.dtype, total: int, source: str, pname: str):
+    """(positions, global indices) of the elements of one parameter that hold a checkpoint code."""
+    if placeholder_dtype == torch.float64:
+        written = ~torch.isnan(flat)
+        if flat.numel() and not bool(written.any()):
+            raise _foreign(source, pname)
+        vals_f = flat[written]
+        if not bool(torch.all(vals_f == torch.round(vals_f))):
+            raise IndexMapError(f"{pname}: the engine's loader computes with checkpoint values (a code is no longer "
+                                "an integer); the delta path needs plain copies")
+        vals = vals_f.to(torch.int64).numpy()
+        pos = np.flatnonzero(written.numpy())
+    else:
+        flat_np = flat.numpy()
+        pos = np.flatnonzero(flat_np != -1)
+        if flat_np.size and not len(pos):
+            raise _foreign(source, pname)
+        vals = flat_np[pos]
+    code = (vals >= BASE) & (vals < BASE + total)
+    if not code.all():
+        pos, vals = pos[code], vals[code]
+    return pos, vals - BASE
+
+
+def _written_elements(flat: torch.Tensor, placeholder_dtype: torch.dtype) -> int:
+    if placeholder_dtype == torch.float64:
+        return int((~torch.isnan(flat)).sum())
+    return int((flat != -1).sum())
+
+
+def _split_at_tensors(g0: np.ndarray, length: np.ndarray, pos0: np.ndarray, pid: int, starts: np.ndarray) -> np.ndarray:
+    """Runs of global indices as rows (tensor id, start in it, length, parameter id, parameter start),
+    split where a run crosses from one checkpoint tensor into the next (q then k in a fused qkv)."""
+    first_t = np.searchsorted(starts, g0, side="right") - 1
+    last_t = np.searchsorted(starts, g0 + length - 1, side="right") - 1
+    rows = [first_t, g0 - starts[first_t], length, np.full(len(g0), pid), pos0]
+    out = np.stack(rows).astype(np.int64)
+    crossing = np.flatnonzero(last_t > first_t)
+    if not len(crossing):
+        return out
+    extra = []
+    for r in crossing.tolist():
+        g, n, p = int(g0[r]), int(length[r]), int(pos0[r])
+        pieces = []
+        while n:
+            t = int(np.searchsorted(starts, g, side="right") - 1)
+            take = min(n, int(starts[t + 1]) - g)
+            pieces.append([t, g - int(starts[t]), take, pid, p])
+            g, n, p = g + take, n - take, p + take
+        extra.extend(pieces)
+    keep = np.ones(out.shape[1], dtype=bool)
+    keep[crossing] = False
+    return np.concatenate([out[:, keep], np.array(extra, dtype=np.int64).T], axis=1)
+
+
+def _numel(name: str, shape) -> int:
+    numel = int(np.prod(shape)) if shape else 1
+    if numel > MAX_TENSOR_ELEMENTS:
+        raise IndexMapError(f"{name}: {numel} elements exceed 2^40")
+    return numel
+
+
+def _foreign(source: str, pname: str) -> IndexMapError:
+    return IndexMapError(f"{source}: no checkpoint tensor reaches engine parameter {pname}; the broadcast is of "
+                         "another model than the engine serves: point the engine at the trainer's broadcast root")

@@ -56,6 +56,7 @@ class UpdateReport:
     deltas: list[int] = field(default_factory=list)
     changes_applied: int = 0
     seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # seconds: plan, check, read, write, verify
 
 
 class DeltaReceiver:
@@ -105,7 +106,12 @@ class DeltaReceiver:
         signed = [v - (1 << 64) if v >= 1 << 63 else v for v in (x & MASK64 for x in values)]
         t = torch.tensor(signed, dtype=torch.int64)
         every = [torch.empty_like(t) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(every, t, group=self.group)
+        try:
+            dist.all_gather(every, t, group=self.group)
+        except RuntimeError as exc:  # gloo's time-out or a peer that went away
+            self.valid = False
+            raise fmt.UpdateFailedError(f"another worker of this TP group did not answer ({exc}); this worker stays "
+                                        "invalid and reloads the latest anchor at its next update") from None
         columns = list(zip(*(g.tolist() for g in every), strict=True))
         # the sum is taken modulo 2^64: exactly the checksum ring
         return [sum(c) & MASK64 for c in columns] if op == "sum" else [max(c) for c in columns]
@@ -115,7 +121,12 @@ class DeltaReceiver:
             return plan
         import torch.distributed as dist
         box = [plan]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        try:
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        except RuntimeError as exc:
+            self.valid = False
+            raise fmt.UpdateFailedError(f"TP rank 0 did not send its plan ({exc}); this worker stays invalid and "
+                                        "reloads the latest anchor at its next update") from None
         return box[0]
 
     # ------------------------------------------------------------------------- static checks
@@ -307,39 +318,57 @@ class DeltaReceiver:
 
     def _update(self, make_plan: Callable[[], dict]) -> UpdateReport:
         t0 = time.perf_counter()
+        phases: dict[str, float] = {}
+
+        def timed(name: str, fn: Callable[[], Any]) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
+
         plan = None
         if self.rank == 0:
             try:
-                plan = make_plan()
+                plan = timed("plan", make_plan)
             except RltuneError as e:
-                plan = dict(error=f"{type(e).__name__}: {e}")
+                plan = dict(error=e)  # every worker raises rank 0's own error (type and message)
         plan = self._broadcast_plan(plan)
         if "error" in plan:
             self.valid = False
-            raise fmt.ChainError(f"planning on TP rank 0 failed: {plan['error']}")
-        report = UpdateReport(plan["action"], plan["target"], plan["anchor"], list(plan["deltas"]))
+            raise plan["error"]
+        report = UpdateReport(plan["action"], plan["target"], plan["anchor"], list(plan["deltas"]), phases=phases)
         if plan["action"] == "none":
             return report
+        timed("check", lambda: self._group_phase(self.before_write))
         self.valid = False
-        manifest = self._group_phase(lambda: self.store.manifest(plan["target"]))
-        self._group_phase(lambda: self._check_static(manifest))
+        manifest = timed("check", lambda: self._group_phase(lambda: self.store.manifest(plan["target"])))
+        timed("check", lambda: self._group_phase(lambda: self._check_static(manifest)))
         if plan["action"] == "reload":
-            self._group_phase(lambda: self._load_anchor(plan["anchor"]))
-            self._verify(plan["anchor"])
+            staged = timed("read", lambda: self._group_phase(lambda: self._read_anchor(plan["anchor"])))
+            timed("write", lambda: self._group_phase(lambda: self._write_anchor(plan["anchor"], staged)))
+            timed("verify", lambda: self._verify(plan["anchor"]))
         for step in plan["deltas"]:
-            report.changes_applied += self._group_phase(lambda s=step: self._apply_delta(s))
-            self._verify(step)
+            # every worker has read and decoded the delta before any worker writes a change of it
+            staged = timed("read", lambda s=step: self._group_phase(lambda: self._staged_delta(s)))
+            report.changes_applied += timed("write", lambda s=step, st=staged: self._group_phase(
+                lambda: self._apply_delta(s, st)))
+            timed("verify", lambda s=step: self._verify(s))
         self.valid, self.step, self.run_id = True, plan["target"], manifest["run_id"]
         report.seconds = time.perf_counter() - t0
         return report
 
     def _group_phase(self, fn: Callable[[], Any]) -> Any:
-        """Run local work; if it fails on any worker, every worker raises (and stays invalid)."""
-        err: RltuneError | None = None
+        """Run local work; if it fails on any worker, every worker raises (and stays invalid).
+
+        Any exception counts, not only rltune's own: a worker that left the phase without the flag
+        reduction would leave the others waiting in it until the group's time-out.
+        """
+        err: Exception | None = None
         result = None
         try:
             result = fn()
-        except RltuneError as e:
+        except Exception as e:  # re-raised below, after every worker has said whether it failed
             err = e
         (failed,) = self._allreduce([1 if err else 0], op="max")
         if err is not None:
@@ -349,17 +378,20 @@ class DeltaReceiver:
                                     "every worker will reload the latest anchor and replay at the next update")
         return result
 
-    def _apply_delta(self, step: int) -> int:
-        m = self.store.manifest(step)
-        key = (m["run_id"], step)
-        if self._fused:
-            staged = self._prefetched.pop(key) if key in self._prefetched else self._stage_changes(step)
-            self._prefetched.clear()
-            return self._apply_fused(step, staged)
-        changes = self._prefetched.pop(key) if key in self._prefetched else self._read_changes(step)
+    def _staged_delta(self, step: int) -> Any:
+        """``step``'s changes for this worker: the prefetched ones, or read and decoded now."""
+        key = (self.store.manifest(step)["run_id"], step)
+        staged = self._prefetched.pop(key, None)
         self._prefetched.clear()
+        if staged is None:
+            staged = self._stage_changes(step) if self._fused else self._read_changes(step)
+        return staged
+
+    def _apply_delta(self, step: int, staged: Any) -> int:
+        if self._fused:
+            return self._apply_fused(step, staged)
         applied = 0
-        for name, items in changes.items():
+        for name, items in staged.items():
             change = 0
             for pid, pos, diff, idx in items:
                 p = self.params[pid]
@@ -383,29 +415,41 @@ class DeltaReceiver:
         self.deltas_applied += 1
         return int(sum(written))
 
-    def _load_anchor(self, step: int) -> None:
+    def _read_anchor(self, step: int) -> list[tuple[str, list[tuple[int, int, torch.Tensor]]]]:
+        """Every row of ``step``'s anchor this worker holds, read and CRC-checked, nothing written yet:
+        per checkpoint tensor, (parameter id, first parameter element, wire bits) pieces."""
         m = self.store.manifest(step)
         by_name: dict[str, list] = {}
         for path, start, header in self._part_paths(step, m, "anchors"):
             for e in header["entries"]:
                 by_name.setdefault(e["name"], []).append((path, start, e))
-        self._shares = {}
+        staged = []
         for name, runs in self.imap.tensors.items():
             if not runs.held or name not in m["tensors"]:
                 continue
             bits = _DTYPE_BITS[m["tensors"][name]["dtype"]]
-            written = self._load_tensor(name, runs, by_name.get(name, []), bits)
+            pieces = self._read_tensor(name, runs, by_name.get(name, []), bits)
+            written = sum(int(src.numel()) for _, _, src in pieces)
             if written != runs.held:
                 raise fmt.ChainError(f"{self.store.step_dir(step)}: anchor slices cover {written} of the {runs.held} "
                                      f"elements of {name} this worker holds")
-            self._shares[name] = self._full_share(runs)
+            staged.append((name, pieces))
+        return staged
+
+    def _write_anchor(self, step: int, staged: list[tuple[str, list[tuple[int, int, torch.Tensor]]]]) -> None:
+        self._shares = {}
+        for name, pieces in staged:
+            for pid, pos, src in pieces:
+                dst = as_bits(self.params[pid].data)
+                dst[pos: pos + src.numel()] = src.to(dst.device)
+            self._shares[name] = self._full_share(self.imap.tensors[name])
         self.step = step
         self.anchor_loads += 1
 
-    def _load_tensor(self, name: str, runs: TensorRuns, entries: list, bits: int) -> int:
+    def _read_tensor(self, name: str, runs: TensorRuns, entries: list, bits: int) -> list[tuple[int, int, torch.Tensor]]:
         itemsize = bits // 8
         lo_held, hi_held = int(runs.ckpt_start.min()), int((runs.ckpt_start + runs.length).max())
-        written = 0
+        pieces = []
         for path, start, e in entries:
             lo, hi = max(lo_held, e["start"]), min(hi_held, e["stop"])
             if lo >= hi:
@@ -417,12 +461,11 @@ class DeltaReceiver:
                 a, b = max(cs, lo), min(cs + ln, hi)
                 if a >= b:
                     continue
-                dst = as_bits(self.params[pid].data)
-                if wire_width(dst) != bits:
-                    raise fmt.IndexMapError(f"{name}: engine parameter has {wire_width(dst)}-bit elements, checkpoint {bits}")
-                dst[ps + a - cs: ps + b - cs] = src[a - lo: b - lo].to(dst.device)
-                written += b - a
-        return written
+                width = wire_width(as_bits(self.params[pid].data))
+                if width != bits:
+                    raise fmt.IndexMapError(f"{name}: engine parameter has {width}-bit elements, checkpoint {bits}")
+                pieces.append((pid, ps + a - cs, src[a - lo: b - lo]))
+        return pieces
 
     def _full_share(self, runs: TensorRuns) -> int:
         total = 0
@@ -430,6 +473,13 @@ class DeltaReceiver:
                                    runs.param_start.tolist(), strict=True):
             total += checksum_ref(as_bits(self.params[pid].data)[ps: ps + ln], offset=cs)
         return total & MASK64
+
+    def before_write(self) -> None:
+        """Runs on every worker, as one group phase, before an update writes anything.
+
+        The base receiver checks nothing; an engine integration (``rltune.sync.vllm``) checks here
+        that the parameters it writes are still the ones the engine computes with.
+        """
 
     def recompute_shares(self) -> None:
         """Recompute every share from the parameters (O(weights)); for checks after outside writes."""

@@ -31,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,6 +39,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from rltune.errors import RltuneError
 from rltune.sync import codec, store
 from rltune.sync import format as fmt
 from rltune.sync.chunked import DEFAULT_MAX_ELEMENTS, chunked_step
@@ -57,7 +59,7 @@ class SignSGD(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-5, weight_decay: float = 0.0):
         if lr <= 0:
-            raise ValueError(f"lr must be positive, got {lr}")
+            raise PublisherConfigError(f"SignSGD: lr must be positive, got {lr}")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
 
     @torch.no_grad()
@@ -88,6 +90,71 @@ class _PreparedUpdate(NamedTuple):
     whole: bool  # every chunk is all this rank's
 
 
+class PublisherConfigError(RltuneError):
+    """A DeltaPublisher option is invalid, or the model and optimizer it was given do not fit together."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaPublisherConfig:
+    """Every option of :class:`DeltaPublisher`, checked when the config is made."""
+
+    interval: int = 50
+    """A full anchor every ``interval`` steps, for engines that join or fall off the delta chain."""
+    rank: int = 0
+    """This trainer rank; it publishes rows ``[rank*R/world, (rank+1)*R/world)`` of every tensor."""
+    world: int = 1
+    """Trainer ranks publishing together (data parallel: each holds the full tensors)."""
+    run_id: str | None = None
+    """Names one training run in every file; engines reload when it changes. None: a random id."""
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
+    """Elements per optimizer update the diff hook sees (small parameters together, large ones in chunks)."""
+    wire_dtype: torch.dtype | None = None
+    """Cast floating weights as sent (fp32 master weights published as bf16); None: each in its own dtype."""
+    finalize_timeout_s: float = 600.0
+    """How long rank 0 waits for every rank's part before the step fails."""
+    dense_fraction: float | None = None
+    """A step that changed more than this share of the elements goes out as a full checkpoint: writing
+    the raw bytes beats encoding that many changes (H200: 300 M changes took 19.6 s to encode, a full
+    write of the same model 1.4-2.0 s). None: never. Ranks decide alone, so single rank only."""
+    encoder: str = "auto"
+    """Where a delta is coded: gpu (rltune.sync.codec_gpu, the same bytes, 7x the host's 16 threads on
+    the H200), host (the host's cores), auto (the GPU when the weights live on one)."""
+    differ: str = "auto"
+    """How a chunk's changes are found inside the step: triton (diff/extract kernels into device memory,
+    one host sync per step), torch (the reference: nonzero and two host syncs per chunk), auto (triton
+    when the weights live on a GPU). H200, 0.5 B model: torch adds 68-121 ms to the step, the kernels
+    2.3-8.3 ms, with byte-identical deltas (docs/BENCHMARKS.md)."""
+    change_capacity: float = 0.1
+    """With the kernels: the share of this rank's elements one step may change; more goes out full."""
+    fuse_step: bool = True
+    """With the kernels on a GPU and torch's fused AdamW, the kernels step each update themselves with
+    the diff's first pass inside it (bit-identical), so the weights are neither copied before the
+    update nor read twice after it. False: staged."""
+
+    def __post_init__(self) -> None:
+        def bad(field_name: str, problem: str) -> PublisherConfigError:
+            return PublisherConfigError(f"DeltaPublisherConfig.{field_name}: {problem}")
+
+        if self.interval < 1:
+            raise bad("interval", f"must be >= 1 (an anchor every N steps), got {self.interval}")
+        if self.world < 1 or not 0 <= self.rank < self.world:
+            raise bad("rank", f"rank {self.rank} outside world {self.world}; use 0 <= rank < world")
+        if self.chunk_elements < 1:
+            raise bad("chunk_elements", f"must be >= 1, got {self.chunk_elements}")
+        if self.finalize_timeout_s <= 0:
+            raise bad("finalize_timeout_s", f"must be positive, got {self.finalize_timeout_s}")
+        if self.dense_fraction is not None and not 0 < self.dense_fraction <= 1:
+            raise bad("dense_fraction", f"must be in (0, 1] or None, got {self.dense_fraction}")
+        if self.encoder not in ("auto", "gpu", "host"):
+            raise bad("encoder", f"encoder must be auto, gpu or host, got {self.encoder!r}")
+        if self.differ not in ("auto", "triton", "torch"):
+            raise bad("differ", f"differ must be auto, triton or torch, got {self.differ!r}")
+        if not 0 < self.change_capacity <= 1:
+            raise bad("change_capacity", f"change_capacity must be in (0, 1], got {self.change_capacity}")
+        if self.wire_dtype is not None and self.wire_dtype not in _DTYPE_NAMES:
+            raise bad("wire_dtype", f"{self.wire_dtype} has no wire format; use torch.bfloat16")
+
+
 class DeltaPublisher:
     """Publishes a model's weights to a broadcast root: deltas from the optimizer step, anchors, full checkpoints.
 
@@ -97,46 +164,31 @@ class DeltaPublisher:
     published as bf16); by default each tensor goes in its own dtype.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, root: str | Path, interval: int,
-                 rank: int = 0, world: int = 1, *, run_id: str | None = None,
-                 chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, wire_dtype: torch.dtype | None = None,
-                 finalize_timeout_s: float = 600.0, dense_fraction: float | None = None, encoder: str = "auto",
-                 differ: str = "auto", change_capacity: float = 0.1, fuse_step: bool = True):
-        if interval < 1:
-            raise ValueError(f"interval must be >= 1, got {interval}")
-        if not 0 <= rank < world:
-            raise ValueError(f"rank {rank} outside world {world}")
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, root: str | Path,
+                 interval: int | None = None, rank: int | None = None, world: int | None = None, *,
+                 config: DeltaPublisherConfig | None = None, **options: Any):
+        """``config`` holds every option (:class:`DeltaPublisherConfig`); ``interval``, ``rank``, ``world`` and
+        keyword ``options`` are shorthands that build or override it, validated the same way."""
+        overrides = dict(options)
+        for key, value in (("interval", interval), ("rank", rank), ("world", world)):
+            if value is not None:
+                overrides[key] = value
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(DeltaPublisherConfig)})
+        if unknown:
+            raise PublisherConfigError(f"DeltaPublisher: unknown option {unknown[0]!r}; the options are the fields of "
+                                       "DeltaPublisherConfig")
+        if config is None:
+            config = DeltaPublisherConfig(**overrides)
+        elif overrides:
+            config = dataclasses.replace(config, **overrides)
+        self.config = config
         self.model, self.optimizer, self.root = model, optimizer, Path(root)
-        self.interval, self.rank, self.world = interval, rank, world
-        self.run_id = run_id or uuid.uuid4().hex
-        self.chunk_elements, self.wire_dtype, self.finalize_timeout_s = chunk_elements, wire_dtype, finalize_timeout_s
-        # dense_fraction: a step that changed more than this share of the elements goes out as a full
-        # checkpoint, since writing the raw bytes beats encoding that many changes (measured on the H200:
-        # 300 M changes took 19.6 s to encode, a full write of the same model 1.4-2.0 s). None: never.
-        # Ranks decide alone, so it applies to a single rank only.
-        self.dense_fraction = dense_fraction
-        # encoder: where a delta is coded. "gpu" codes the changes where the step left them
-        # (rltune.sync.codec_gpu, the same bytes; 7x the host's 16 threads on the H200), "host" on the
-        # host's cores, "auto" on the GPU when the weights live on one.
-        if encoder not in ("auto", "gpu", "host"):
-            raise ValueError(f"encoder must be auto, gpu or host, got {encoder!r}")
-        self.encoder = encoder
-        # differ: how a chunk's changes are found inside the step. "triton": the diff/extract kernels
-        # into device memory, one host sync when the step ends (ChangeSink); "torch": the reference
-        # (nonzero and two host syncs per chunk); "auto": Triton when the weights live on a GPU.
-        # On the H200 (bench/sync_sender_step.py, 0.5 B model) the torch differ adds 68-121 ms to
-        # the step and the kernels 2.3-8.3 ms, with byte-identical deltas (docs/BENCHMARKS.md).
-        # change_capacity: with the kernels, the share of this rank's elements one step may change;
-        # a step that changes more is published as a full checkpoint.
-        if differ not in ("auto", "triton", "torch"):
-            raise ValueError(f"differ must be auto, triton or torch, got {differ!r}")
-        if not 0 < change_capacity <= 1:
-            raise ValueError(f"change_capacity must be in (0, 1], got {change_capacity}")
-        self.differ, self.change_capacity = differ, change_capacity
-        # fuse_step: with the kernels on a GPU and torch's fused AdamW, the kernels step each update
-        # themselves with the diff's first pass inside it (bit-identical to the optimizer's step), so
-        # the weights are not copied before the update nor read twice after it. False: staged.
-        self.fuse_step = fuse_step
+        self.interval, self.rank, self.world = config.interval, config.rank, config.world
+        self.run_id = config.run_id or uuid.uuid4().hex
+        self.chunk_elements, self.wire_dtype = config.chunk_elements, config.wire_dtype
+        self.finalize_timeout_s, self.dense_fraction = config.finalize_timeout_s, config.dense_fraction
+        self.encoder, self.differ = config.encoder, config.differ
+        self.change_capacity, self.fuse_step = config.change_capacity, config.fuse_step
         self.root.mkdir(parents=True, exist_ok=True)
 
         state = model.state_dict(keep_vars=True)
@@ -181,7 +233,7 @@ class DeltaPublisher:
         if self.differ == "torch" or (self.differ == "auto" and (device.type != "cuda" or not one_device)):
             return None
         if not one_device:
-            raise ValueError("differ='triton' needs every stepped tensor on one device; use differ='torch'")
+            raise PublisherConfigError("differ='triton' needs every stepped tensor on one device; use differ='torch'")
         total = sum(hi - lo for _, lo, hi in spans)
         # a chunk of the step clamped to this rank's range: at most one per chunk of the whole tensor
         chunks = sum(-(-self.tensors[n].numel() // self.chunk_elements) for n, _, _ in spans)
@@ -190,7 +242,7 @@ class DeltaPublisher:
             return ChangeSink(max(1, int(total * self.change_capacity)), largest, chunks, device,
                               backend="triton", outputs="device", fuse_adamw="auto" if self.fuse_step else False)
         except KernelBackendError:
-            raise ValueError("differ='triton' on CPU weights needs TRITON_INTERPRET=1 in the environment before "
+            raise PublisherConfigError("differ='triton' on CPU weights needs TRITON_INTERPRET=1 in the environment before "
                              "triton is imported; use differ='auto' for the torch reference") from None
 
     def _wire_dtype(self, name: str) -> torch.dtype:
@@ -219,7 +271,7 @@ class DeltaPublisher:
         for p, a, b in chunks:
             name = self._name_of_param.get(id(p))
             if name is None:
-                raise ValueError("the optimizer steps a parameter that is not in the model given to DeltaPublisher; "
+                raise PublisherConfigError("the optimizer steps a parameter that is not in the model given to DeltaPublisher; "
                                  "build the optimizer from that model's parameters")
             lo, hi = self.ranges[name]
             if max(a, lo) < min(b, hi):

@@ -89,6 +89,10 @@ class ToyEngine(nn.Module):
         else:
             self.lm_head = _Weight(self.vocab, h, dtype=dtype)
 
+    def recording_copy(self, dtype: torch.dtype) -> ToyEngine:
+        """The same layout in another dtype (what an index map is recorded on)."""
+        return ToyEngine(self.cfg, self.tp_rank, self.tp_size, dtype=dtype)
+
     def _kv_head_range(self) -> tuple[int, int]:
         kv, tp = self.cfg.num_kv_heads, self.tp_size
         if tp >= kv:  # replicated: tp // kv workers share each KV head

@@ -31,7 +31,9 @@ Work directory layout::
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,7 +94,7 @@ class AutoLoop:
     def __init__(self, job_path: str | Path, workdir: str | Path, *, rounds: int = 4, trial_budget: int = 12,
                  max_trials_per_round: int = 3, steps: int | None = None, library: str | Path | None = None,
                  knowledge: str | Path | None = None, tuned_dir: str | Path = "presets/tuned",
-                 allow_needs: bool = False, on_event: Callable[[Event], None] | None = None,
+                 allow_needs: bool = False, parallel: int = 1, on_event: Callable[[Event], None] | None = None,
                  on_output: Callable[[str], None] | None = None, reward_check: Any = None):
         self.job_path = Path(job_path).resolve()
         self.job: JobSpec = load_job(self.job_path)
@@ -105,6 +107,10 @@ class AutoLoop:
         self.knowledge_path = knowledge
         self.tuned_dir = Path(tuned_dir)
         self.allow_needs = allow_needs
+        if parallel < 1:
+            raise AutoError(f"--parallel {parallel}: run at least one trial at a time")
+        self.parallel = parallel
+        self._lock = threading.Lock()
         self.on_event = on_event or (lambda event: None)
         self.on_output = on_output
         self.journal = Journal(self.workdir / "journal.jsonl")
@@ -113,8 +119,9 @@ class AutoLoop:
 
     # -- journal --------------------------------------------------------------------------------
     def _emit(self, kind: str, **fields: Any) -> Event:
-        event = self.journal.append(kind, **fields)
-        self.on_event(event)
+        with self._lock:  # trials run in parallel journal their submissions from their own threads
+            event = self.journal.append(kind, **fields)
+            self.on_event(event)
         return event
 
     def _note(self, kind: str, **fields: Any) -> None:
@@ -179,6 +186,7 @@ class AutoLoop:
 
         self._settle_unfinished(library)
         untuned, untuned_noise = self._untuned(library)
+        self._resume_trials(library, untuned, untuned_noise)
         events = self.journal.events()
         baseline = self._current_baseline(untuned, events)
         trials = [e for e in events if e["event"] == "trial"]
@@ -202,27 +210,82 @@ class AutoLoop:
             round_no += 1
         return self._finish(reason, untuned, baseline)
 
-    def _settle_unfinished(self, library: Any) -> None:
-        """A run started but not journalled as done: take it from disk if recorded, else drop it."""
-        events = self.journal.events()
+    def _unfinished(self, events: list[Event]) -> list[Event]:
+        """run_start events with no outcome in the journal yet."""
         done = {e["run_id"] for e in events if e["event"] in ("baseline_run", "trial", "run_abandoned")}
         done |= {rid for e in events if e["event"] == "baseline" for rid in e.get("run_ids", [e.get("run_id")])}
-        for start in [e for e in events if e["event"] == "run_start" and e["run_id"] not in done]:
+        return [e for e in events if e["event"] == "run_start" and e["run_id"] not in done]
+
+    @staticmethod
+    def _identities(events: list[Event]) -> dict[str, dict]:
+        """Run id -> the launcher identity journalled when the run was submitted."""
+        return {e["run_id"]: e["identity"] for e in events if e["event"] == "run_submitted"}
+
+    def _settle_unfinished(self, library: Any) -> None:
+        """Runs started but not journalled as done, after a crash or ``kill -9`` of rltune.
+
+        The rule: a run whose case reached the library is taken from disk. A run on a scheduler
+        (slurm, ray) lives on without rltune: it is followed again (:meth:`_resume_trials` and the
+        untuned baseline reattach to it). A local run died with rltune's session or is an orphan:
+        what is left of it is cancelled and it is run again under a new id.
+        """
+        events = self.journal.events()
+        identities = self._identities(events)
+        for start in self._unfinished(events):
             run_id = start["run_id"]
             if library.has(run_id) and start["role"] == "trial":
                 from rltune.contracts.verdict import load_verdict
 
                 verdict = load_verdict(self._abs(start["run_dir"]) / "verdict.yaml")
                 self._emit("trial", **self._trial_fields(start, verdict))
-                if verdict.kept:
-                    self._emit("round_end", round=start["round"], outcome="kept", baseline_run=run_id)
             elif library.has(run_id) and start["role"] == "baseline":
                 run = _load_run([self._abs(start["run_dir"])], run_id, start["knobs"], 0.0)
                 from rltune.profile.stats import mean_over
 
                 self._emit("baseline_run", run_id=run_id, run_dir=start["run_dir"], step_s=mean_over(run.rows, "step_s"))
+            elif run_id in identities and identities[run_id]["launcher"] in REATTACHABLE:
+                self._note("reattach", run_id=run_id, job_id=identities[run_id]["job_id"],
+                           launcher=identities[run_id]["launcher"])
             else:
+                for rid in (run_id, f"{run_id}-again"):
+                    if rid in identities:
+                        _cancel_leftover(identities[rid])
                 self._emit("run_abandoned", run_id=run_id, reason="interrupted before its case was recorded; run again")
+        self._close_rounds()
+
+    def _close_rounds(self) -> None:
+        """A round whose trials all finished with a keep but that has no round_end: end it with the fastest."""
+        events = self.journal.events()
+        ended = {e["round"] for e in events if e["event"] == "round_end"}
+        pending = {e["round"] for e in self._unfinished(events) if e["role"] == "trial"}
+        for round_no in sorted({e["round"] for e in events if e["event"] == "trial"} - ended - pending):
+            kept = [e for e in events if e["event"] == "trial" and e["round"] == round_no and e["decision"] == "keep"]
+            if kept:
+                best = min(kept, key=lambda e: e["step_s"])
+                self._emit("round_end", round=round_no, outcome="kept", baseline_run=best["run_id"])
+
+    def _resume_trials(self, library: Any, untuned: _Baseline, untuned_noise: float | None) -> None:
+        """Follow again the trials an earlier process left running on a scheduler, and journal them."""
+        from rltune.contracts.forecast import CandidateForecast
+        from rltune.contracts.schema import from_data
+
+        events = self.journal.events()
+        identities = self._identities(events)
+        starts = [e for e in self._unfinished(events) if e["role"] == "trial" and e["run_id"] in identities]
+        if not starts:
+            return
+        baseline = self._current_baseline(untuned, events)
+
+        def finish(start: Event) -> None:
+            forecast = from_data(CandidateForecast, start["forecast"], self.journal.path, "run_start.forecast")
+            resume = {rid: identities[rid] for rid in (start["run_id"], f"{start['run_id']}-again") if rid in identities}
+            outcome = self._run_trial(start, forecast, baseline, untuned, untuned_noise, library, resume)
+            self._emit("trial", **self._trial_fields(start, outcome.verdict))
+
+        with ThreadPoolExecutor(max_workers=max(1, len(starts))) as pool:
+            for future in [pool.submit(finish, start) for start in starts]:
+                future.result()
+        self._close_rounds()
 
     def _untuned(self, library: Any) -> tuple[_Baseline, float | None]:
         """The untuned baseline (its ``limits.baseline_runs`` runs pooled) and its measured noise in %."""
@@ -233,12 +296,19 @@ class AutoLoop:
         if recorded is None:
             knobs = dict(self.job.knobs)
             finished = [e for e in events if e["event"] == "baseline_run"]
+            identities = self._identities(events)
+            waiting = [e for e in self._unfinished(events) if e["role"] == "baseline" and e["run_id"] in identities]
             for repeat in range(len(finished), self.job.limits.baseline_runs):
-                run_id = self._new_run_id("r0-untuned" if repeat == 0 else f"r0-untuned-{repeat + 1}", self.journal.events())
-                start = self._start_run(run_id, "baseline", 0, knobs, repeat=repeat + 1,
-                                        of=self.job.limits.baseline_runs)
+                if waiting:  # submitted by a process that died; its job lives on on the scheduler
+                    start, resume = waiting[0], identities[waiting.pop(0)["run_id"]]
+                    run_id = start["run_id"]
+                else:
+                    run_id = self._new_run_id("r0-untuned" if repeat == 0 else f"r0-untuned-{repeat + 1}",
+                                              self.journal.events())
+                    start, resume = self._start_run(run_id, "baseline", 0, knobs, repeat=repeat + 1,
+                                                    of=self.job.limits.baseline_runs), None
                 run = measure_run(self.job, self.job_path, self._abs(start["run_dir"]), run_id, knobs, self.steps,
-                                  self.on_output)
+                                  self.on_output, on_submit=self._journal_submission(run_id), resume=resume)
                 record_case(library, self.job, run, None)
                 if not run.ok:
                     self._emit("run_abandoned", run_id=run_id, reason=f"untuned baseline {run.status}: {run.error}")
@@ -265,24 +335,52 @@ class AutoLoop:
                           limiting_stage=diagnosis.limiting_stage, problems=[p.id for p in diagnosis.problems], **fields)
 
     def _current_baseline(self, untuned: _Baseline, events: list[Event]) -> _Baseline:
-        kept = [e for e in events if e["event"] == "trial" and e["decision"] == "keep"]
-        if not kept:
+        """The untuned run, or the trial the last round that kept one made its baseline."""
+        ends = [e for e in events if e["event"] == "round_end" and e.get("outcome") == "kept"]
+        if not ends:
             return untuned
-        last = kept[-1]
+        last = next(e for e in events if e["event"] == "trial" and e["run_id"] == ends[-1]["baseline_run"])
         return _load_run([self._abs(d) for d in last["run_dirs"]], last["run_id"], last["knobs"], last["step_s"])
+
+    def _journal_submission(self, run_id: str) -> Callable[[dict], None]:
+        return lambda identity: self._emit("run_submitted", run_id=run_id, identity=identity)
+
+    def _run_trial(self, start: Event, forecast: Any, baseline: _Baseline, untuned: _Baseline,
+                   untuned_noise: float | None, library: Any, resume: dict[str, dict] | None = None) -> Any:
+        compared = Baseline(run_id=baseline.run_id, rows=baseline.rows, untuned_run=untuned.run_id,
+                            untuned_rows=untuned.rows, untuned_noise_pct=untuned_noise)
+        return run_trial(self.job, self.job_path, forecast, baseline_knobs=baseline.knobs, baseline=compared,
+                         library=library, run_root=self.workdir / "runs", run_id=start["run_id"], steps=self.steps,
+                         on_run=lambda rid, state: self._note("run", run_id=rid, state=state), on_output=self.on_output,
+                         on_submit=lambda rid, identity: self._emit("run_submitted", run_id=rid, identity=identity),
+                         resume=resume)
 
     def _round(self, round_no: int, baseline: _Baseline, untuned: _Baseline, untuned_noise: float | None,
                tried: list[dict], knowledge: Any, library: Any, trials_so_far: int) -> tuple[str, _Baseline, list[Event]]:
+        """One round from ``baseline``: attempts of up to ``parallel`` trials each, until one is kept.
+
+        Each attempt proposes and forecasts again (earlier attempts' runs are in the library by then),
+        picks the next candidates worth a trial -- several at once with ``parallel`` > 1, each its
+        own run (allocation on a scheduler) -- and decides from all of them: the fastest kept one
+        becomes the next round's baseline.
+        """
         from rltune.contracts.candidates import save_candidates
         from rltune.contracts.forecast import save_forecast
+        from rltune.contracts.schema import to_data
         from rltune.predict import forecast_candidates
         from rltune.tune.propose import propose
 
         round_dir = self.workdir / "rounds" / f"r{round_no}"
         round_trials: list[Event] = []
-        for attempt in range(1, self.max_trials_per_round + 1):
-            if trials_so_far + len(round_trials) >= self.trial_budget:
+        # A round resumed after an interruption keeps the trials it had already run.
+        done = sum(1 for e in self.journal.events() if e["event"] == "trial" and e["round"] == round_no)
+        attempt = sum(1 for e in self.journal.events() if e["event"] == "proposed" and e["round"] == round_no)
+        while done + len(round_trials) < self.max_trials_per_round:
+            room = min(self.parallel, self.trial_budget - trials_so_far - len(round_trials),
+                       self.max_trials_per_round - done - len(round_trials))
+            if room <= 0:
                 break
+            attempt += 1
             failed = self._failed_settings()
             candidates = propose(baseline.diagnosis, self.job, knowledge, knobs=baseline.knobs, job_path=str(self.job_path),
                                  round_tag=f"r{round_no}", tried=tried, allow_needs=self.allow_needs,
@@ -297,38 +395,52 @@ class AutoLoop:
             forecast_path = round_dir / f"forecast-a{attempt}.yaml"
             save_forecast(forecast, forecast_path)
             by_id = {c.id: c for c in candidates.candidates}
-            chosen = pick(forecast, baseline.knobs, failed=failed, tried=tried)
+            chosen = []
+            while len(chosen) < room:
+                fc = pick(forecast, baseline.knobs, failed=failed,
+                          tried=[*tried, *({**baseline.knobs, **c.overrides} for c in chosen)])
+                if fc is None:
+                    break
+                chosen.append(fc)
             self._emit("proposed", round=round_no, attempt=attempt, baseline_run=baseline.run_id,
                        baseline_step_s=baseline.step_s, forecast_baseline_s=forecast.baseline_step_s,
                        limiting_stage=candidates.limiting_stage, next_stage=candidates.next_stage,
                        candidates_file=self._rel(round_dir / "candidates.yaml"), forecast_file=self._rel(forecast_path),
-                       picked=chosen.candidate if chosen else None,
+                       picked=chosen[0].candidate if chosen else None, picks=[fc.candidate for fc in chosen],
                        candidates=[{"id": f.candidate, "fixes": by_id[f.candidate].fixes if f.candidate in by_id else [],
                                     "step_s": f.step_s, "range_s": f.range_s, "gain_pct": f.gain_pct,
                                     "worth": f.worth, "limiting_stage": f.limiting_stage, "method": f.method}
                                    for f in forecast.forecasts])
-            if chosen is None:
+            if not chosen:
                 self._emit("round_end", round=round_no, outcome="none_worth")
                 return "none_worth", baseline, round_trials
-            candidate = by_id[chosen.candidate]
-            run_id = self._new_run_id(f"r{round_no}-{candidate.id.split('-', 1)[-1]}-a{attempt}", self.journal.events())
-            knobs = {**baseline.knobs, **chosen.overrides}
-            start = self._start_run(run_id, "trial", round_no, knobs, candidate=candidate.id, fixes=candidate.fixes,
-                                    baseline_run=baseline.run_id, baseline_step_s=baseline.step_s, worth=chosen.worth,
-                                    group=knowledge.fix(candidate.fixes[0]).group,
-                                    trial=trials_so_far + len(round_trials) + 1, of=self.trial_budget)
-            compared = Baseline(run_id=baseline.run_id, rows=baseline.rows, untuned_run=untuned.run_id,
-                                untuned_rows=untuned.rows, untuned_noise_pct=untuned_noise)
-            outcome = run_trial(self.job, self.job_path, chosen, baseline_knobs=baseline.knobs, baseline=compared,
-                                library=library, run_root=self.workdir / "runs", run_id=run_id, steps=self.steps,
-                                on_run=lambda rid, state: self._note("run", run_id=rid, state=state),
-                                on_output=self.on_output)
-            event = self._emit("trial", **self._trial_fields(start, outcome.verdict))
-            round_trials.append(event)
-            tried.append(knobs)
-            if outcome.kept:
-                new = _load_run([Path(d) for d in outcome.verdict.run_dirs], run_id, knobs, outcome.verdict.step_s)
-                self._emit("round_end", round=round_no, outcome="kept", baseline_run=run_id)
+            starts = []
+            for fc in chosen:
+                candidate = by_id[fc.candidate]
+                run_id = self._new_run_id(f"r{round_no}-{candidate.id.split('-', 1)[-1]}-a{attempt}", self.journal.events())
+                starts.append(self._start_run(
+                    run_id, "trial", round_no, {**baseline.knobs, **fc.overrides}, candidate=candidate.id,
+                    fixes=candidate.fixes, baseline_run=baseline.run_id, baseline_step_s=baseline.step_s, worth=fc.worth,
+                    group=knowledge.fix(candidate.fixes[0]).group, forecast=to_data(fc),
+                    trial=trials_so_far + len(round_trials) + len(starts) + 1, of=self.trial_budget))
+            if len(chosen) == 1:
+                outcomes = [self._run_trial(starts[0], chosen[0], baseline, untuned, untuned_noise, library)]
+            else:
+                with ThreadPoolExecutor(max_workers=len(chosen)) as pool:
+                    futures = [pool.submit(self._run_trial, start, fc, baseline, untuned, untuned_noise, library)
+                               for start, fc in zip(starts, chosen, strict=True)]
+                    outcomes = _results_or_stop(futures)
+            kept = []
+            for start, outcome in zip(starts, outcomes, strict=True):
+                round_trials.append(self._emit("trial", **self._trial_fields(start, outcome.verdict)))
+                tried.append(start["knobs"])
+                if outcome.kept:
+                    kept.append((start, outcome))
+            if kept:
+                start, outcome = min(kept, key=lambda pair: pair[1].verdict.step_s)
+                new = _load_run([Path(d) for d in outcome.verdict.run_dirs], start["run_id"], start["knobs"],
+                                outcome.verdict.step_s)
+                self._emit("round_end", round=round_no, outcome="kept", baseline_run=start["run_id"])
                 return "kept", new, round_trials
         self._emit("round_end", round=round_no, outcome="none_kept")
         return "none_kept", baseline, round_trials
@@ -357,7 +469,9 @@ class AutoLoop:
 
         events = self.journal.events()
         trials = [e for e in events if e["event"] == "trial"]
-        kept = [(e["group"], (e["baseline_step_s"] or 0.0) - (e["step_s"] or 0.0)) for e in trials if e["decision"] == "keep"]
+        made_baseline = {e["baseline_run"] for e in events if e["event"] == "round_end" and e.get("outcome") == "kept"}
+        kept = [(e["group"], (e["baseline_step_s"] or 0.0) - (e["step_s"] or 0.0)) for e in trials
+                if e["decision"] == "keep" and e["run_id"] in made_baseline]
         baseline_event = next(e for e in events if e["event"] == "baseline" and e["round"] == 0)
         provenance = {"untuned_step_s": round(untuned.step_s, 4), "tuned_step_s": round(best.step_s, 4),
                       "speedup": round(untuned.step_s / best.step_s, 3) if best.step_s else None,
@@ -384,6 +498,36 @@ class AutoLoop:
         return AutoResult(workdir=self.workdir, reason=finish["reason"], untuned_step_s=finish["untuned_step_s"],
                           best_step_s=finish["best_step_s"], best_knobs=finish["best_knobs"], trials=finish["trials"],
                           tuned_preset=Path(finish["tuned_preset"]), report=report)
+
+
+# Launchers whose jobs outlive the process that submitted them: after a restart, rltune follows them again.
+REATTACHABLE = ("slurm", "ray")
+
+
+def _cancel_leftover(identity: dict) -> None:
+    """Stop what is left of a run an earlier process started (a local orphan), best effort."""
+    from rltune.launch import reattach
+
+    try:
+        reattach(identity).cancel()
+    except RltuneError:
+        pass  # gone already, or the scheduler does not know it: nothing left to stop
+
+
+def _results_or_stop(futures: list) -> list:
+    """Every future's result; on Ctrl-C or a failure, every running job is asked to stop first."""
+    from rltune.launch import request_stop
+
+    try:
+        return [f.result() for f in futures]
+    except BaseException:
+        request_stop()
+        for f in futures:
+            try:
+                f.result()
+            except BaseException:  # noqa: BLE001 - each follower cancels its own job and re-raises
+                pass
+        raise
 
 
 def auto(job_path: str | Path, workdir: str | Path, **options: Any) -> AutoResult:

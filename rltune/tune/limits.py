@@ -7,7 +7,7 @@ cannot tilt the comparison.
 - speed: % by which the trial's **mean** step (the wall time a user pays per step) beats the
   baseline's, over the shared steps; the median is reported beside it. It must exceed the noise
   (:func:`measured_noise`): the baseline's own measured spread -- the range of its repeated runs'
-  means, and twice each run's standard error of the mean -- with ``limits.noise_pct`` as the floor.
+  means, and twice each run's standard error of the mean (from pairs of steps) -- with ``limits.noise_pct`` as the floor.
 - gap: the trial's mean trainer-rollout gap <= ``gap_ratio_max`` x the untuned baseline's.
 - sample age: the trial's mean age <= ``sample_age_mean_max``; its oldest sample <= ``sample_age_max``.
 - trials cut off / failed: the trial's shares are no higher than the baseline's.

@@ -522,13 +522,16 @@ def kept_changes(events: list[dict[str, Any]], untuned_knobs: dict[str, KnobValu
                  best_knobs: dict[str, KnobValue]) -> list[KeptChange]:
     """The kept trials of an auto journal as undoable changes, in the order they were kept.
 
-    A change's knobs are those its trial set differently from the baseline it started from; undoing
-    it sets back those the best setup still holds at the trial's value (a later change that moved a
-    knob again owns that knob).
+    A kept change is a trial whose round ended with it as the next baseline (with parallel trials a
+    round may keep more than one; only the one it went on from counts). Its knobs are those its trial
+    set differently from the baseline it started from; undoing it sets back those the best setup still
+    holds at the trial's value (a later change that moved a knob again owns that knob).
     """
+    made_baseline = {e.get("baseline_run") for e in events
+                     if e.get("event") == "round_end" and e.get("outcome") == "kept"}
     out, before = [], dict(untuned_knobs)
     for event in events:
-        if event.get("event") != "trial" or event.get("decision") != "keep":
+        if event.get("event") != "trial" or event.get("decision") != "keep" or event["run_id"] not in made_baseline:
             continue
         after = dict(event["knobs"])
         changed = {k: before.get(k) for k, v in after.items() if before.get(k) != v}

@@ -41,11 +41,16 @@ def overrides_against(job: JobSpec, knobs: dict[str, KnobValue]) -> dict[str, Kn
 
 
 def measure_run(job: JobSpec, job_path: str | Path, run_dir: str | Path, run_id: str, knobs: dict[str, KnobValue],
-                steps: int | None = None, on_output: Callable[[str], None] | None = None) -> RecordedRun:
-    """Run the job once with ``knobs`` through the run recorder; a job that cannot even start is a failed run."""
+                steps: int | None = None, on_output: Callable[[str], None] | None = None,
+                on_submit: Callable[[dict], None] | None = None, resume: dict | None = None) -> RecordedRun:
+    """Run the job once with ``knobs`` through the run recorder; a job that cannot even start is a failed run.
+
+    ``on_submit`` / ``resume``: see :func:`rltune.profile.record_run`.
+    """
     started = time.time()
     try:
-        return record_run(job_path, run_dir, job=job, run_id=run_id, overrides=knobs, steps=steps, on_output=on_output)
+        return record_run(job_path, run_dir, job=job, run_id=run_id, overrides=knobs, steps=steps, on_output=on_output,
+                          on_submit=on_submit, resume=resume)
     except LaunchError as exc:
         return RecordedRun(run_id=run_id, run_dir=Path(run_dir), knobs={**job.knobs, **knobs}, status="failed",
                            cause="not_started", error=str(exc), started_at=started, finished_at=max(time.time(), started))
@@ -143,11 +148,15 @@ def _fmt(value: float | None) -> str:
 def run_trial(job: JobSpec, job_path: str | Path, candidate: CandidateForecast, *, baseline_knobs: dict[str, KnobValue],
               baseline: Baseline, library: Any, run_root: str | Path, run_id: str, steps: int | None = None,
               remeasure: bool = True, on_run: Callable[[str, str], None] | None = None,
-              on_output: Callable[[str], None] | None = None) -> TrialOutcome:
+              on_output: Callable[[str], None] | None = None,
+              on_submit: Callable[[str, dict], None] | None = None,
+              resume: dict[str, dict] | None = None) -> TrialOutcome:
     """Run ``candidate`` on top of ``baseline_knobs``; measure again if its gain is under the recheck bar.
 
     Writes ``verdict.yaml`` into the first run's directory, then appends every run to ``library``.
-    ``on_run(run_id, 'start'|'done')`` lets a live view follow along.
+    ``on_run(run_id, 'start'|'done')`` lets a live view follow along; ``on_submit(run_id, identity)``
+    gets each run's launcher identity; ``resume`` (run id -> identity) records runs an earlier
+    process submitted instead of starting them again.
     """
     knobs = {**baseline_knobs, **candidate.overrides}
     run_root = Path(run_root)
@@ -155,7 +164,9 @@ def run_trial(job: JobSpec, job_path: str | Path, candidate: CandidateForecast, 
     for attempt, rid in enumerate((run_id, f"{run_id}-again")):
         if on_run:
             on_run(rid, "start")
-        runs.append(measure_run(job, job_path, run_root / rid, rid, knobs, steps, on_output))
+        runs.append(measure_run(job, job_path, run_root / rid, rid, knobs, steps, on_output,
+                                on_submit=None if on_submit is None else (lambda ident, rid=rid: on_submit(rid, ident)),
+                                resume=(resume or {}).get(rid)))
         if on_run:
             on_run(rid, "done")
         verdict, judgement = decide(job, str(job_path), candidate, runs, baseline)

@@ -49,7 +49,7 @@ class EngineSettings:
     compile: bool
     num_threads: int
     sample_seed: int
-    loader: Any  # the weight-sync transport's engine side (see rltune.workload.weight_sync)
+    loader: Any  # the weight-sync transport's engine side (a rltune.sync.transports Loader)
 
 
 @dataclass
@@ -170,6 +170,8 @@ class Engine:
             for msg in messages:
                 if msg[0] == "stop":
                     # Release tensors shared by the trainer (CUDA IPC) before the process ends.
+                    if self.s.loader is not None:
+                        self.s.loader.close()
                     self.s.loader = None
                     return
                 self.handle(msg)
@@ -198,7 +200,10 @@ class Engine:
         elif kind == "load":
             _, version, message = msg
             start = time.perf_counter()
-            info = self.s.loader.load(self.model, message)
+            result = self.s.loader.load(self.model, message)
+            info = {"bytes": float(result.bytes)}
+            if result.changes is not None:
+                info.update(changes_applied=float(result.changes), reloaded=float(result.action == "reload"))
             if self.device.type == "cuda":
                 self.torch.cuda.synchronize()
             self.version = version

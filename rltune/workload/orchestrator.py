@@ -28,7 +28,6 @@ from rltune.contracts.schema import dump_yaml
 from rltune.errors import RltuneError
 from rltune.workload.config import WorkloadConfig
 from rltune.workload.rollout import EngineClient, Group, Rollout
-from rltune.workload.weight_sync import check_transport
 
 
 def _mean(values: list[float]) -> float | None:
@@ -72,17 +71,13 @@ def batch_samples(groups: list[Group], normalize_std: bool):
 class _Job:
     def __init__(self, cfg: WorkloadConfig, run_dir: Path, trainer):
         from rltune.workload.engine import EngineSettings
-        from rltune.workload.model import resolve_device, torch_dtype
-        from rltune.workload.weight_sync import make_publisher
+        from rltune.workload.model import resolve_device
 
         self.cfg = cfg
         self.run_dir = run_dir
         self.trainer = trainer
-        engine_dtype = torch_dtype(cfg.model.engine_dtype)
-        self.publisher = make_publisher(cfg.sync.transport, run_dir, engine_dtype, trainer.module, cfg.sync.keep_checkpoints,
-                                        optimizer=trainer.optimizer, preset=cfg.model.preset,
-                                        anchor_interval=cfg.sync.anchor_interval)
-        if hasattr(self.publisher, "optimizer_step"):
+        self.publisher = make_workload_publisher(cfg, run_dir, trainer)
+        if self.publisher.drives_optimizer_step:
             trainer.trainer.optimizer_step = self.publisher.optimizer_step
         settings = EngineSettings(
             preset=cfg.model.preset, seed=cfg.model.seed, dtype=cfg.model.engine_dtype,
@@ -90,7 +85,7 @@ class _Job:
             max_concurrent_seqs=cfg.engine.max_concurrent_seqs, batching=cfg.engine.batching,
             kv_cache_tokens=cfg.engine.kv_cache_tokens, compile=cfg.engine.compile,
             num_threads=cfg.engine.num_threads, sample_seed=cfg.orchestrator.seed,
-            loader=self.publisher.engine_loader())
+            loader=self.publisher.loader())
         from rltune.workload.placement import place, visible_gpus
 
         devices = place(cfg, visible_gpus(), settings.device, settings.device).engines
@@ -106,19 +101,17 @@ class _Job:
         return [self.rollout.start_group(self.rollout.next_task()) for _ in range(self.cfg.orchestrator.tasks_per_batch)]
 
     def sync_weights(self) -> dict[str, float]:
-        from rltune.workload.weight_sync import timed_publish
-
         start = time.perf_counter()
         version = self.trainer.version
-        message, info = timed_publish(self.publisher, self.trainer.module, version)
-        loads = self.client.load_weights(version, message)
+        published = self.publisher.publish(version)
+        loads = self.client.load_weights(version, published.message)
         self.publisher.loaded(version)
         self.engine_version = version
-        out = {"weight_sync_s": time.perf_counter() - start, "sync_publish_s": info["publish_s"],
-               "sync_bytes": info["bytes"], "sync_load_s_max": max(x["load_s"] for x in loads)}
+        out = {"weight_sync_s": time.perf_counter() - start, "sync_publish_s": published.seconds,
+               "sync_bytes": float(published.bytes), "sync_load_s_max": max(x["load_s"] for x in loads)}
         for key in ("delta_bytes", "anchor_bytes"):
-            if key in info:
-                out[f"sync_{key}"] = info[key]
+            if key in published.details:
+                out[f"sync_{key}"] = published.details[key]
         return out
 
     def train(self, groups: list[Group]) -> tuple[dict[str, float], list[int]]:
@@ -281,6 +274,33 @@ class _Job:
         self.client.close()
         self.publisher.close()
         self.writer.close()
+
+
+def make_workload_publisher(cfg: WorkloadConfig, run_dir: Path, trainer):
+    """The trainer side of ``sync.transport``, from rltune.sync's one transport layer."""
+    from rltune.sync.sender import DeltaPublisherConfig
+    from rltune.sync.transports import make_publisher
+    from rltune.workload.model import torch_dtype
+
+    module = trainer.module
+    engine_dtype = torch_dtype(cfg.model.engine_dtype)
+    wire = engine_dtype if engine_dtype != next(module.parameters()).dtype else None
+    publisher = make_publisher(cfg.sync.transport, model=module, workdir=run_dir, optimizer=trainer.optimizer,
+                               engine_dtype=engine_dtype, keep=cfg.sync.keep_checkpoints, shared=True,
+                               delta=DeltaPublisherConfig(interval=cfg.sync.anchor_interval, run_id="workload",
+                                                          wire_dtype=wire))
+    if publisher.drives_optimizer_step:
+        publisher.publish(0)  # the weights the engines start with: the base of the first delta
+    return publisher
+
+
+def check_transport(transport: str) -> None:
+    """Raise a TransportError naming the choices if ``sync.transport`` is not one the workload runs."""
+    from rltune.sync.transports import TransportError, canonical_name
+
+    if canonical_name(transport) == "nccl":
+        raise TransportError("sync.transport: nccl needs the engines in the trainer's process group, which the "
+                             "reference workload does not form; use filesystem, inprocess or sparse_delta")
 
 
 def run_job(cfg: WorkloadConfig, run_dir: str | os.PathLike, steps: int | None = None, trainer=None) -> Path:

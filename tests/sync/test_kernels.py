@@ -205,11 +205,21 @@ def _delta(layout_rows: int, ncols: int, entries: list[int], fraction: float, se
     return torch.tensor(entries), torch.tensor(offsets), idx, val
 
 
+# the Triton kernel (a GPU, or the interpreter on CI) and the compiled CPU pass CPU engines use
+FUSED_BACKENDS = ["triton", "numba"]
+
+
+def _fused_device(backend: str) -> str:
+    return "cpu" if backend == "numba" else DEVICE
+
+
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
 @pytest.mark.parametrize("add", [True, False])
-def test_fused_apply_equals_reference_with_strides_tables_and_mixed_widths(add):
+def test_fused_apply_equals_reference_with_strides_tables_and_mixed_widths(add, backend):
     rows, ncols = 40, 33
-    params = [random_bits(rows * ncols, 16, seed=1), random_bits(2 * rows * ncols + 10, 16, seed=2),
-              random_bits(rows * ncols, 32, seed=3), random_bits(rows * 20, 16, seed=4)]
+    dev = _fused_device(backend)
+    params = [random_bits(rows * ncols, 16, seed=1, device=dev), random_bits(2 * rows * ncols + 10, 16, seed=2, device=dev),
+              random_bits(rows * ncols, 32, seed=3, device=dev), random_bits(rows * 20, 16, seed=4, device=dev)]
     g = torch.Generator().manual_seed(5)
     shuffled_rows = torch.randperm(rows, generator=g) * ncols
     cols = torch.arange(ncols)
@@ -228,7 +238,7 @@ def test_fused_apply_equals_reference_with_strides_tables_and_mixed_widths(add):
     if not add:
         layouts[4] = K.table_layout(0, ncols, shuffled_rows, cols)
     ref_params = [p.cpu().clone() for p in params]
-    plan = K.ApplyPlan(params, layouts, backend="triton")
+    plan = K.ApplyPlan(params, layouts, backend=backend)
     got = plan.apply(entry_tensor, offsets, idx, val, add=add)
     want_sums, want_written = R.apply_deltas_ref(ref_params, layouts, entry_tensor, offsets, idx, val, add)
     assert got.checksums() == want_sums and got.written() == want_written
@@ -238,26 +248,28 @@ def test_fused_apply_equals_reference_with_strides_tables_and_mixed_widths(add):
     assert not torch.equal(params[0].cpu(), random_bits(rows * ncols, 16, seed=1, device="cpu"))
 
 
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
 @pytest.mark.parametrize("add", [True, False])
-def test_fused_apply_blocks_within_one_entry_take_the_contiguous_path_exactly(add):
+def test_fused_apply_blocks_within_one_entry_take_the_contiguous_path_exactly(add, backend):
     # 3000 changes of one entry fill whole kernel blocks; the held row window skips some of them
-    params = [random_bits(60 * 100 + 50, 16, seed=1)]
+    params = [random_bits(60 * 100 + 50, 16, seed=1, device=_fused_device(backend))]
     layouts = [K.strided_layout(0, [60, 100], base=50 - 200, rows=(2, 50)), K.strided_layout(0, [50])]
     g = torch.Generator().manual_seed(3)
     idx = torch.cat([torch.randperm(6000, generator=g)[:3000].sort().values, torch.arange(0, 50, 7)])
     val = random_bits(idx.numel(), 16, seed=4, device="cpu").to(torch.int32)
     entry_tensor, offsets = torch.tensor([0, 1]), torch.tensor([0, 3000, idx.numel()])
     ref = [params[0].cpu().clone()]
-    got = K.ApplyPlan(params, layouts, backend="triton").apply(entry_tensor, offsets, idx, val, add=add)
+    got = K.ApplyPlan(params, layouts, backend=backend).apply(entry_tensor, offsets, idx, val, add=add)
     want_sums, want_written = R.apply_deltas_ref(ref, layouts, entry_tensor, offsets, idx, val, add)
     assert got.checksums() == want_sums and got.written() == want_written
     assert torch.equal(params[0].cpu(), ref[0])
     assert 0 < want_written[0] < 3000
 
 
-def test_fused_apply_with_no_changes_and_one_change():
-    params = [random_bits(100, 16, seed=1)]
-    plan = K.ApplyPlan(params, [K.strided_layout(0, [10, 10])], backend="triton")
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_fused_apply_with_no_changes_and_one_change(backend):
+    params = [random_bits(100, 16, seed=1, device=_fused_device(backend))]
+    plan = K.ApplyPlan(params, [K.strided_layout(0, [10, 10])], backend=backend)
     empty = plan.apply(torch.tensor([0]), torch.tensor([0, 0]), torch.zeros(0, dtype=torch.int64),
                        torch.zeros(0, dtype=torch.int32))
     assert empty.checksums() == [0] and empty.written() == [0]
@@ -266,6 +278,15 @@ def test_fused_apply_with_no_changes_and_one_change():
     assert one.written() == [1]
     assert one.checksums() == [R.checksum_update_ref(torch.tensor([99]), before[99:], params[0].cpu()[99:])]
     assert int(params[0][99]) == (int(before[99]) + 5 + 32768) % 65536 - 32768
+
+
+def test_the_compiled_cpu_apply_refuses_gpu_parameters():
+    if not torch.cuda.is_available():
+        with pytest.raises(K.KernelBackendError, match="CPU parameters"):
+            K.ApplyPlan([random_bits(10, 16, seed=1, device="meta")], [K.strided_layout(0, [10])], backend="numba")
+        return
+    with pytest.raises(K.KernelBackendError, match="CPU parameters"):
+        K.ApplyPlan([random_bits(10, 16, seed=1, device="cuda")], [K.strided_layout(0, [10])], backend="numba")
 
 
 def test_fused_apply_rejects_mismatched_offsets():
@@ -396,3 +417,20 @@ def test_fused_apply_compiles_once_per_plan_not_per_delta():
         offsets = torch.tensor([0] + [n_changes * (k + 1) for k in range(len(entries))])
         plan.apply(torch.tensor(entries), offsets, idx.cuda(), torch.ones(idx.numel(), dtype=torch.int32).cuda())
     assert compiled_variants(KERNELS["apply_deltas"]) == compiled, "a delta recompiled the apply kernel"
+
+
+def test_the_compiled_cpu_apply_splits_a_large_delta_over_two_threads_exactly():
+    # above the size at which a second thread starts: entries dealt to two threads, same bits and sums
+    params = [random_bits(400 * 512, 16, seed=s, device="cpu") for s in range(1, 4)]
+    layouts = [K.strided_layout(t, [400, 512]) for t in range(3)] + [K.strided_layout(1, [400, 256], rows=(100, 300),
+                                                                                    cols=(0, 256), row_stride=512)]
+    entry_tensor, offsets, idx, val = _delta(400, 512, [0, 1, 2], 0.3, seed=9, width=16)
+    assert offsets[-1] > (1 << 16)
+    ref = [p.clone() for p in params]
+    from rltune.sync.kernels.cpu_kernels import apply_deltas_cpu
+
+    sums, written = apply_deltas_cpu(params, layouts, entry_tensor, offsets, idx, val, add=True, threads=2)
+    want_sums, want_written = R.apply_deltas_ref(ref, layouts, entry_tensor, offsets, idx, val, True)
+    assert [s & R.MASK64 for s in sums] == want_sums and written == want_written
+    for p, r in zip(params, ref, strict=True):
+        assert torch.equal(p, r)

@@ -53,9 +53,11 @@ def _delta_path(root, step):
     return root / fmt.step_dir_name(step) / "rank-00000.delta"
 
 
-# per-run apply (torch reference), the fused multi-tensor apply through its torch reference, and
-# the fused Triton kernel (under TRITON_INTERPRET=1 on the CPU, as CI runs it)
+# per-run apply (torch reference), the fused multi-tensor apply through its torch reference, its
+# compiled CPU pass (what CPU vLLM engines use), and the fused Triton kernel (under
+# TRITON_INTERPRET=1 on the CPU, as CI runs it)
 APPLY_PATHS = {"per-run": dict(fused=False), "fused-ref": dict(fused=True, fused_backend="torch"),
+               "fused-numba": dict(fused=True, fused_backend="numba"),
                "fused-triton": dict(fused=True, fused_backend="triton")}
 
 
@@ -232,7 +234,7 @@ def test_a_part_from_another_step_is_detected(run, tmp_path):
 def test_double_applied_delta_is_refused_by_the_plan_and_caught_by_the_checksum(run, tmp_path):
     engine, rx = _receiver_at(run, run["root"], 4)
     assert rx.apply(4).action == "none"  # the plan never applies a delta onto its own result
-    rx._apply_delta(4)  # force it past the plan (what a stale cache did to peers)
+    rx._apply_delta(4, rx._staged_delta(4))  # force it past the plan (what a stale cache did to peers)
     with pytest.raises(fmt.ChecksumMismatchError):
         rx._verify(4)
     rx.valid = False
@@ -242,7 +244,7 @@ def test_double_applied_delta_is_refused_by_the_plan_and_caught_by_the_checksum(
 
 def test_skipped_delta_is_replayed_by_the_plan_and_caught_by_the_checksum(run, tmp_path):
     engine, rx = _receiver_at(run, run["root"], 3)
-    rx._apply_delta(5)  # skips 4
+    rx._apply_delta(5, rx._staged_delta(5))  # skips 4
     with pytest.raises(fmt.ChecksumMismatchError):
         rx._verify(5)
     engine2, rx2 = _receiver_at(run, run["root"], 3)
@@ -281,7 +283,7 @@ def test_manifest_path_outside_the_root_is_refused(run, tmp_path):
     (d / fmt.MANIFEST_NAME).write_bytes(raw)
     (d / fmt.COMPLETE_NAME).write_text(json.dumps(dict(format_version=1, step=4, manifest_bytes=len(raw),
                                                        manifest_crc32=fmt.crc32(raw))))
-    with pytest.raises(fmt.ChainError, match="ManifestPathError"):
+    with pytest.raises(fmt.ManifestPathError, match="etc/passwd"):
         rx.apply(4)
 
 

@@ -12,7 +12,7 @@ from sync_helpers import Trainer, assert_same_params, engine_cfg, make_receiver,
 
 from rltune.sync import format as fmt
 from rltune.sync.chunked import _PLANS, chunked_step
-from rltune.sync.sender import DeltaPublisher, SignSGD
+from rltune.sync.sender import DeltaPublisher, DeltaPublisherConfig, PublisherConfigError, SignSGD
 from rltune.sync.store import BroadcastStore
 
 
@@ -344,7 +344,7 @@ def test_a_stepped_parameter_outside_the_model_is_named(tmp_path):
     pub = DeltaPublisher(model, torch.optim.AdamW([*model.parameters(), stray]), tmp_path, 10)
     pub.publish(0)
     model["a"].grad, stray.grad = torch.ones(4), torch.ones(3)
-    with pytest.raises(ValueError, match="not in the model given to DeltaPublisher"):
+    with pytest.raises(PublisherConfigError, match="not in the model given to DeltaPublisher"):
         pub.step()
 
 
@@ -353,18 +353,18 @@ def test_differ_choices(tmp_path):
     model = tiny_qwen3()
     default = DeltaPublisher(model, torch.optim.AdamW(model.parameters()), tmp_path / "b", 3)
     assert default.differ == "auto" and default._sink is None  # CPU weights: the reference
-    with pytest.raises(ValueError, match="differ must be"):
+    with pytest.raises(PublisherConfigError, match="differ must be"):
         Trainer(tmp_path / "c", differ="cuda")
-    with pytest.raises(ValueError, match="change_capacity"):
+    with pytest.raises(PublisherConfigError, match="change_capacity"):
         Trainer(tmp_path / "d", differ="triton", change_capacity=0.0)
     split = torch.nn.ParameterDict({"a": torch.nn.Parameter(torch.zeros(4)),
                                     "b": torch.nn.Parameter(torch.zeros(4, device="meta"))})
     opt = torch.optim.AdamW(split.parameters())
-    with pytest.raises(ValueError, match="one device"):
+    with pytest.raises(PublisherConfigError, match="one device"):
         DeltaPublisher(split, opt, tmp_path / "e", 10, differ="triton")
     assert DeltaPublisher(split, opt, tmp_path / "f", 10, differ="auto")._sink is None
     if os.environ.get("TRITON_INTERPRET") != "1":
-        with pytest.raises(ValueError, match="differ='auto'"):
+        with pytest.raises(PublisherConfigError, match="differ='auto'"):
             Trainer(tmp_path / "g", differ="triton")
 
 
@@ -385,3 +385,27 @@ def test_a_step_beyond_the_change_capacity_goes_out_full_and_the_chain_goes_on(t
     engine, rx = make_receiver(tmp_path, cfg, m0)
     assert rx.load_latest().step == 2
     assert_same_params(engine, reference_engine(cfg, tr.wire_state()))
+
+
+@pytest.mark.parametrize("field, value, problem", [
+    ("interval", 0, "interval: must be >= 1"),
+    ("rank", 2, "rank 2 outside world 2"),
+    ("chunk_elements", 0, "chunk_elements: must be >= 1"),
+    ("dense_fraction", 1.5, r"dense_fraction: must be in \(0, 1\]"),
+    ("encoder", "tpu", "encoder must be auto, gpu or host"),
+    ("wire_dtype", torch.int8, "no wire format"),
+])
+def test_every_publisher_option_is_checked_when_the_config_is_made(field, value, problem):
+    with pytest.raises(PublisherConfigError, match=problem):
+        DeltaPublisherConfig(**{"world": 2, field: value})
+
+
+def test_the_publisher_takes_its_options_from_one_config_and_refuses_unknown_ones(tmp_path):
+    model = tiny_qwen3()
+    opt = torch.optim.AdamW(model.parameters())
+    cfg = DeltaPublisherConfig(interval=7, run_id="run-x", differ="torch")
+    pub = DeltaPublisher(model, opt, tmp_path / "a", config=cfg)
+    assert (pub.config, pub.interval, pub.run_id, pub.differ) == (cfg, 7, "run-x", "torch")
+    assert DeltaPublisher(model, opt, tmp_path / "b", 3, config=cfg).interval == 3  # a shorthand overrides it
+    with pytest.raises(PublisherConfigError, match="unknown option 'intervall'"):
+        DeltaPublisher(model, opt, tmp_path / "c", intervall=3)

@@ -14,6 +14,7 @@ import torch
 
 from rltune.sync import transports as tr
 from rltune.sync.bench import _bit_equal
+from rltune.sync.bench.pairs import BenchContext, make_bench_transport
 from rltune.sync.toy_engine import ToyEngine, ToyEngineConfig
 
 
@@ -33,7 +34,7 @@ class _Trainer:
     def __init__(self, tmp_path, lr=1e-3, nccl_engines=1):
         self.model = _tiny_model()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01, foreach=False)
-        self.ctx = tr.TransportContext(self.model, self.opt, ToyEngineConfig.from_hf(self.model.config), "cpu",
+        self.ctx = BenchContext(self.model, self.opt, ToyEngineConfig.from_hf(self.model.config), "cpu",
                                        tmp_path, anchor_interval=3, chunk_elements=500, nccl_engines=nccl_engines,
                                        nccl_timeout_s=120)
         self.gen = torch.Generator().manual_seed(1)
@@ -76,7 +77,7 @@ def _run_steps(trainer, transport, steps):
 @pytest.mark.parametrize("name", ["filesystem", "inprocess", "sparse"])
 def test_local_transport_engine_is_bit_identical_after_every_step(tmp_path, name):
     trainer = _Trainer(tmp_path)
-    transport = tr.make_transport(name, trainer.ctx)
+    transport = make_bench_transport(name, trainer.ctx)
     try:
         results = _run_steps(trainer, transport, steps=4)
     finally:
@@ -101,7 +102,7 @@ def test_local_transport_engine_is_bit_identical_after_every_step(tmp_path, name
 
 def test_filesystem_keeps_only_the_latest_checkpoint(tmp_path):
     trainer = _Trainer(tmp_path)
-    transport = tr.make_transport("filesystem", trainer.ctx)
+    transport = make_bench_transport("filesystem", trainer.ctx)
     _run_steps(trainer, transport, steps=2)
     assert sorted(p.name for p in (tmp_path / "filesystem").iterdir()) == ["step-000002.safetensors"]
     transport.close()
@@ -110,7 +111,7 @@ def test_filesystem_keeps_only_the_latest_checkpoint(tmp_path):
 
 def test_sparse_changes_equal_the_elements_the_step_changed(tmp_path):
     trainer = _Trainer(tmp_path, lr=1e-4)
-    transport = tr.make_transport("sparse", trainer.ctx)
+    transport = make_bench_transport("sparse", trainer.ctx)
     transport.boot()
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.step(transport)
@@ -138,7 +139,7 @@ def test_a_corrupted_engine_is_caught_by_the_bit_check_even_where_running_checks
     # Running checksums follow the delta's changes only, so an element corrupted outside the delta
     # passes the sparse path's own check; the bit-for-bit comparison is what catches it.
     trainer = _Trainer(tmp_path)
-    transport = tr.make_transport("sparse", trainer.ctx)
+    transport = make_bench_transport("sparse", trainer.ctx)
     transport.boot()
     with torch.no_grad():
         transport.engine.model.norm.weight.view(torch.int16)[0] ^= 1
@@ -152,20 +153,22 @@ def test_a_corrupted_engine_is_caught_by_the_bit_check_even_where_running_checks
 
 def test_unknown_transport_names_the_choices(tmp_path):
     trainer = _Trainer(tmp_path)
-    with pytest.raises(tr.TransportError, match="filesystem, inprocess, sparse, nccl"):
-        tr.make_transport("rdma", trainer.ctx)
+    with pytest.raises(tr.TransportError, match="filesystem, inprocess, sparse_delta, nccl"):
+        make_bench_transport("rdma", trainer.ctx)
 
 
-def test_nccl_update_before_publish_is_refused_without_processes(tmp_path):
-    transport = object.__new__(tr.NcclBroadcast)
-    transport._pending_timings = False
+def test_nccl_timings_before_a_publish_are_refused_without_processes(tmp_path):
+    from rltune.sync.transports.nccl import NcclPublisher
+
+    publisher = object.__new__(NcclPublisher)
+    publisher._pending_timings = False
     with pytest.raises(tr.TransportError, match="without a publish"):
-        transport.update(1)
+        publisher.engine_timings()
 
 
 def test_broadcast_with_gloo_to_two_engine_ranks_ends_bit_identical(tmp_path):
     trainer = _Trainer(tmp_path, nccl_engines=2)
-    transport = tr.make_transport("nccl", trainer.ctx)
+    transport = make_bench_transport("nccl", trainer.ctx)
     try:
         for key, value in tr.NCCL_SAFE_ENV.items():
             assert os.environ[key] == value
@@ -184,9 +187,9 @@ def test_broadcast_with_gloo_to_two_engine_ranks_ends_bit_identical(tmp_path):
 def test_local_transports_on_gpu_end_bit_identical(tmp_path):
     model = _tiny_model().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    ctx = tr.TransportContext(model, opt, ToyEngineConfig.from_hf(model.config), "cuda", tmp_path, anchor_interval=3)
-    sparse = tr.make_transport("sparse", ctx)
-    full = tr.make_transport("filesystem", ctx)
+    ctx = BenchContext(model, opt, ToyEngineConfig.from_hf(model.config), "cuda", tmp_path, anchor_interval=3)
+    sparse = make_bench_transport("sparse", ctx)
+    full = make_bench_transport("filesystem", ctx)
     for t in (sparse, full):
         t.boot()
     gen = torch.Generator(device="cuda").manual_seed(1)

@@ -118,11 +118,16 @@ def test_noise_is_the_range_of_the_baseline_runs_with_noise_pct_as_its_floor():
     assert measured_noise(Limits(noise_pct=40), base).pct == 40                              # the floor holds
 
 
-def test_a_single_runs_noise_is_two_standard_errors_of_its_mean_step():
-    base = run([1.0, 1.0, 1.2, 0.8, 1.0])                   # sd 0.163 over 4 steps: se 0.0816
+def test_a_single_runs_noise_is_two_standard_errors_of_its_mean_step_from_pairs_of_steps():
+    base = run([1.0, 1.2, 1.0, 0.8, 1.0])                   # pairs of measured steps: 1.1, 0.9 -> se 0.1
     noise = measured_noise(Limits(noise_pct=1), base)
-    assert noise.pct == pytest.approx(2 * 100 * 0.08165, rel=1e-3)
+    assert noise.pct == pytest.approx(20.0)
     assert check(judge(Limits(noise_pct=1), base, run([1.0] + [0.9] * 4), base), "speed").passed is False
+
+
+def test_alternating_steps_of_a_fully_async_baseline_are_not_counted_as_noise():
+    base = run([9.0, 1.6, 8.2, 1.6, 8.2, 1.6, 8.2, 1.6, 8.2])  # bursts: every pair costs 9.8 s
+    assert measured_noise(Limits(noise_pct=4), base).pct == 4
 
 
 def test_the_untuned_jobs_measured_spread_carries_over_to_a_setup_measured_once():

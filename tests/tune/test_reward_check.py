@@ -87,9 +87,13 @@ def test_kept_changes_follow_the_journal_and_a_later_change_owns_a_knob_it_moved
     untuned = {"a": 1, "b": 1, "c": 1}
     events = [{"event": "start"},
               {"event": "trial", "decision": "keep", "run_id": "r1-x", "fixes": ["fa"], "knobs": {"a": 2, "b": 1, "c": 1}},
+              {"event": "round_end", "outcome": "kept", "baseline_run": "r1-x"},
               {"event": "trial", "decision": "reject", "run_id": "r2-y", "fixes": ["fc"], "knobs": {"a": 2, "b": 1, "c": 5}},
+              # kept in a parallel round, but the round went on from r2-z: not a change of the best setup
+              {"event": "trial", "decision": "keep", "run_id": "r2-w", "fixes": ["fc"], "knobs": {"a": 2, "b": 1, "c": 7}},
               {"event": "trial", "decision": "keep", "run_id": "r2-z", "fixes": ["fa", "fb"],
-               "knobs": {"a": 3, "b": 2, "c": 1}}]
+               "knobs": {"a": 3, "b": 2, "c": 1}},
+              {"event": "round_end", "outcome": "kept", "baseline_run": "r2-z"}]
     changes = kept_changes(events, untuned, {"a": 3, "b": 2, "c": 1})
     # r1-x only moved a, which r2-z moved again: nothing of it is left to undo.
     assert [(c.label, c.reverted) for c in changes] == [("r2-z (fa+fb)", {"a": 2, "b": 1})]

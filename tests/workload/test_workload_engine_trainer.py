@@ -12,13 +12,14 @@ import random
 import pytest
 import torch
 
+from rltune.sync.transports import TransportError, make_publisher
 from rltune.workload.config import WorkloadConfig, config_from_data
 from rltune.workload.engine import Engine, EngineSettings
 from rltune.workload.envs import make_math_task
 from rltune.workload.model import build_model, sampled_logprobs
+from rltune.workload.orchestrator import check_transport
 from rltune.workload.tokenizer import TOKENIZER
 from rltune.workload.trainer import GRPOTrainer, TrainSample
-from rltune.workload.weight_sync import FilesystemPublisher, InprocessPublisher, check_transport
 
 # fp32 on a CPU: batched/padded vs unpadded forwards differ by ~1e-6 in logprob (measured max 4e-7).
 LOGPROB_ATOL = 2e-5
@@ -116,27 +117,27 @@ def test_weight_versions_move_with_loads(tmp_path):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01)
-    for publisher in (FilesystemPublisher(tmp_path, torch.float32, model), InprocessPublisher(tmp_path, torch.float32, model)):
-        engine.s.loader = publisher.engine_loader()
-        message, info = publisher.publish(model, 3)
-        engine.handle(("load", 3, message))
+    for name in ("filesystem", "inprocess"):
+        publisher = make_publisher(name, model=model, workdir=tmp_path, engine_dtype=torch.float32)
+        engine.s.loader = publisher.loader()
+        published = publisher.publish(3)
+        engine.handle(("load", 3, published.message))
         kind, _, version, loaded = out.get()
         assert (kind, version) == ("loaded", 3)
-        assert loaded["bytes"] == info["bytes"] > 0
+        assert loaded["bytes"] == published.bytes > 0
         for (name, a), b in zip(model.state_dict().items(), engine.model.state_dict().values(), strict=True):
             assert torch.equal(a, b), name
     results, _ = drive(engine, out, PROMPTS[:2])
     assert {r["version"] for r in results.values()} == {3}
 
 
-def test_sparse_delta_transport_is_checked_before_use():
-    from rltune.workload.weight_sync import WeightSyncError, sparse_delta_available
-
-    if sparse_delta_available():
-        check_transport("sparse_delta")
-    else:
-        with pytest.raises(WeightSyncError, match="sparse_delta needs rltune/sync/sender.py"):
-            check_transport("sparse_delta")
+def test_the_workload_refuses_a_transport_it_cannot_run_and_names_the_choices():
+    for name in ("filesystem", "inprocess", "sparse_delta"):
+        check_transport(name)
+    with pytest.raises(TransportError, match="filesystem, inprocess, sparse_delta, nccl"):
+        check_transport("rdma")
+    with pytest.raises(TransportError, match="nccl needs the engines in the trainer's process group"):
+        check_transport("nccl")
 
 
 def _samples(n=6, seed=0):

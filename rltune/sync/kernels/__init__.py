@@ -617,7 +617,11 @@ class ApplyPlan:
         self.device = params[0].device
         self.targets = [as_bits(p.data if isinstance(p, torch.nn.Parameter) else p) for p in params]
         self.layouts = layouts
-        self.triton = _use_triton(self.device, backend)
+        # "numba": the compiled CPU pass (kernels.cpu_kernels), for CPU engines whose pause matters
+        self.numba = backend == "numba"
+        if self.numba and self.device.type != "cpu":
+            raise KernelBackendError("backend='numba' applies to CPU parameters; use 'auto' or 'triton' on a GPU")
+        self.triton = False if self.numba else _use_triton(self.device, backend)
         widths = [_WIDTH_OF_BITS[t.dtype] for t in self.targets]
         self.widths = sorted({widths[lay["target"]] for lay in layouts}) or [16]
         rows, tables, cursor = [], [], 0
@@ -663,8 +667,14 @@ class ApplyPlan:
         if idx_C.numel() != val_C.numel():
             raise KernelError(f"{idx_C.numel()} indices but {val_C.numel()} values")
         if not self.triton:
-            sums, written = apply_deltas_ref(self.targets, self.layouts, entry_tensor_E, entry_offsets_E1, idx_C,
-                                             val_C, add)
+            if self.numba:
+                from rltune.sync.kernels.cpu_kernels import apply_deltas_cpu
+
+                sums, written = apply_deltas_cpu(self.targets, self.layouts, entry_tensor_E, entry_offsets_E1, idx_C,
+                                                 val_C, add)
+            else:
+                sums, written = apply_deltas_ref(self.targets, self.layouts, entry_tensor_E, entry_offsets_E1, idx_C,
+                                                 val_C, add)
             signed = [s - (1 << 64) if s >= 1 << 63 else s for s in sums]
             return ApplyResult(torch.tensor([signed, written], dtype=torch.int64).reshape(2, -1))
         dev = self.device

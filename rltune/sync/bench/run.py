@@ -2,7 +2,8 @@
 
 One run builds one model (a :mod:`rltune.workload.model` preset, bf16 parameters, random init),
 runs real steps (forward/backward on random token batches, AdamW or SignSGD), and after each step
-hands the same new weights to every transport (:mod:`rltune.sync.transports`). Per step and
+hands the same new weights to every transport (:mod:`rltune.sync.transports`, through
+:mod:`rltune.sync.bench.pairs`). Per step and
 transport it records the trainer-blocking publish, bytes written or sent, the engine's read +
 decode while serving, the dispatch-blocking update (pause / apply+verify or transfer / resume), the
 changed fraction and whether the engine's weights equal the trainer's bit for bit (``torch.equal``
@@ -41,7 +42,7 @@ from rltune.errors import RltuneError
 
 SYNC_BENCH_SCHEMA_VERSION = 1
 RECORD_SCHEMA_VERSION = 1
-PRESET_DIR = Path(__file__).resolve().parents[2] / "presets" / "sync"
+PRESET_DIR = Path(__file__).resolve().parents[3] / "presets" / "sync"
 TRANSPORT_CHOICES = ("filesystem", "inprocess", "sparse", "nccl")
 
 # Numeric per-row columns summarised in the record (min/median/max over measured steps).
@@ -149,7 +150,7 @@ def git_sha(repo: Path | None = None) -> str | None:
     """The commit measured: ``RLTUNE_GIT_SHA`` when set (a copy of the tree without .git), else git's."""
     if os.environ.get("RLTUNE_GIT_SHA"):
         return os.environ["RLTUNE_GIT_SHA"]
-    repo = repo or Path(__file__).resolve().parents[2]
+    repo = repo or Path(__file__).resolve().parents[3]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
@@ -213,6 +214,7 @@ def run_sync_bench(cfg: SyncBenchConfig, out_dir: str | Path,
 
     from rltune.contracts.stages import rows_to_table, write_stages
     from rltune.sync import transports as tr
+    from rltune.sync.bench.pairs import BenchContext, BenchTransport, make_bench_transport
     from rltune.sync.kernels.reference import as_bits
     from rltune.sync.sender import SignSGD
     from rltune.sync.toy_engine import ToyEngine, ToyEngineConfig
@@ -247,17 +249,17 @@ def run_sync_bench(cfg: SyncBenchConfig, out_dir: str | Path,
     # Scratch of this run only: a broadcast root holding an earlier run's later steps would make a
     # fresh engine load those (load_latest picks the newest complete step).
     shutil.rmtree(workdir, ignore_errors=True)
-    ctx = tr.TransportContext(model, optimizer, engine_cfg, device, workdir, anchor_interval=cfg.anchor_interval,
+    ctx = BenchContext(model, optimizer, engine_cfg, device, workdir, anchor_interval=cfg.anchor_interval,
                               dense_fraction=cfg.dense_fraction or None,
                               chunk_elements=cfg.chunk_elements, differ=cfg.differ, nccl_engines=cfg.nccl_engines,
                               nccl_timeout_s=cfg.nccl_timeout_s)
 
-    transports: dict[str, tr.Transport] = {}
+    transports: dict[str, BenchTransport] = {}
     skipped: dict[str, str] = {}
     try:
         for name in cfg.transports:
             try:
-                transports[name] = tr.make_transport(name, ctx)
+                transports[name] = make_bench_transport(name, ctx)
             except tr.TransportUnavailableError as exc:
                 skipped[name] = str(exc)
                 say(f"skipping {name}: {exc}")

@@ -1,0 +1,217 @@
+"""sync-bench's view of a transport: the layer's publisher paired with engines it can time and read.
+
+A :class:`BenchTransport` drives one transport of :mod:`rltune.sync.transports` through a
+benchmark step: ``publish`` (trainer-blocking), ``prefetch`` (engine work while serving),
+``update`` (dispatch-blocking: pause / apply+verify or transfer / resume) and ``engine_states``
+(every engine worker's parameters, read outside every timed region for the bit-for-bit check).
+Local transports run one engine in this process through the publisher's own loader; the NCCL
+transport's engines are the ranks its publisher started, which time themselves.
+
+Example::
+
+    ctx = BenchContext(model, optimizer, ToyEngineConfig.from_hf(model.config), "cuda", workdir)
+    t = make_bench_transport("sparse", ctx)
+    t.boot()
+    for step in range(1, n):
+        ...backward...; t.optimizer_step() if t.drives_optimizer_step else optimizer.step()
+        published = t.publish(step); read_s = t.prefetch(step); update = t.update(step)
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rltune.sync import transports as tr
+from rltune.sync.toy_engine import ToyEngine, ToyEngineConfig
+
+
+@dataclass
+class BenchContext:
+    """What every benchmarked transport is built from: the trainer, the engine layout and where to put files."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    engine_config: ToyEngineConfig
+    engine_device: torch.device | str
+    workdir: Path
+    anchor_interval: int = 50
+    chunk_elements: int = 1 << 26
+    differ: str = "auto"  # sparse: DeltaPublisher's differ (auto, triton, torch)
+    nccl_engines: int = 1
+    nccl_timeout_s: float = 300.0
+    dense_fraction: float | None = None  # sparse: publish a step this dense as a full checkpoint (None: never)
+
+    def __post_init__(self) -> None:
+        self.engine_device = torch.device(self.engine_device)
+        self.workdir = Path(self.workdir)
+
+    @property
+    def trainer_device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def trainer_state(self) -> dict[str, torch.Tensor]:
+        return tr.trainer_state(self.model)
+
+    def new_engine(self, device: torch.device | None = None) -> ToyEngine:
+        with torch.device(device or self.engine_device):
+            return ToyEngine(self.engine_config, dtype=self.dtype)
+
+
+def _engine_params(engine: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in engine.named_parameters()}
+
+
+class BenchTransport:
+    """A publisher and one engine in this process that takes every step through the publisher's loader."""
+
+    def __init__(self, name: str, publisher: tr.Publisher, ctx: BenchContext):
+        self.name, self.publisher, self.ctx = name, publisher, ctx
+        self.drives_optimizer_step = publisher.drives_optimizer_step
+        self.devices = tuple(dict.fromkeys([ctx.trainer_device, ctx.engine_device]))
+        self.engine = ctx.new_engine()
+        self.gate = tr.EngineGate(ctx.engine_device)
+        self.loader = publisher.loader()
+        self.messages: dict[int, dict] = {}
+        self._hook_s = 0.0
+        inner = getattr(publisher, "publisher", None)  # the sparse transport's DeltaPublisher
+        if inner is not None:
+            # Time the publisher's diff (the delta's cost inside the optimizer step) by wrapping its hooks
+            # and, with the Triton differ, the step's collection of the changes. An update the kernels step
+            # themselves (fused AdamW) counts whole: its AdamW and its diff are one kernel.
+            for attr in ("_before_update", "_after_update", "_step_adamw", "_take_sink_changes"):
+                setattr(inner, attr, self._timed_hook(getattr(inner, attr)))
+
+    def _timed_hook(self, hook: Callable) -> Callable:
+        device = self.ctx.trainer_device
+
+        def run(*args):
+            tr.synchronize(device)
+            start = time.perf_counter()
+            result = hook(*args)
+            tr.synchronize(device)
+            self._hook_s += time.perf_counter() - start
+            return result
+        return run
+
+    def boot(self) -> None:
+        """Step 0: the engine takes the trainer's current weights (the checkpoint it boots from)."""
+        published = self.publisher.publish(0)
+        self.loader.load(self.engine, published.message)
+        self.publisher.loaded(0)
+
+    def optimizer_step(self) -> dict[str, float]:
+        self._hook_s = 0.0
+        timings = self.publisher.optimizer_step()
+        return dict(timings, diff_in_step_s=self._hook_s)
+
+    def publish(self, step: int) -> tr.PublishResult:
+        published = self.publisher.publish(step)
+        self.messages[step] = published.message
+        return published
+
+    def prefetch(self, step: int) -> float | None:
+        message = self.messages[step]
+        if not isinstance(self.loader, tr.Loader) or message.get("kind") in (None, "full"):
+            return None  # full transports read in the pause; a step published full is loaded there too
+        t: dict[str, float] = {}
+        with tr.timed(self.devices, t, "prefetch"):
+            ok = self.loader.prefetch(self.engine, message)
+        if not ok:
+            raise tr.TransportError(f"{self.name}: step {step} could not be prefetched (not a complete delta); "
+                                    "the engine would read it in the pause")
+        return t["prefetch"]
+
+    def update(self, step: int) -> tr.UpdateResult:
+        from rltune.sync import format as fmt
+
+        message = self.messages.pop(step)
+        t: dict[str, float] = {}
+        verified, changes = None, None
+        with tr.timed(self.devices, t, "pause"):
+            self.gate.pause()
+        with tr.timed(self.devices, t, "apply"):
+            try:
+                loaded = self.loader.load(self.engine, message)
+            except fmt.ChecksumMismatchError:
+                loaded = None
+                verified = False
+        with tr.timed(self.devices, t, "resume"):
+            self.gate.resume()
+        if loaded is not None:
+            verified, changes = loaded.checksum_verified, loaded.changes
+            expected = {None: "full", "full": "reload"}.get(message.get("kind"), "delta")
+            if loaded.checksum_verified is not None and loaded.action != expected:
+                raise tr.TransportError(f"{self.name}: step {step} was a {loaded.action}, not an in-place delta; the "
+                                        "engine fell off the delta chain")
+        self.publisher.loaded(step)
+        return tr.UpdateResult(t["pause"], t["apply"], t["resume"], verified, changes)
+
+    def engine_states(self) -> list[dict[str, torch.Tensor]]:
+        return [_engine_params(self.engine)]
+
+    def close(self) -> None:
+        self.loader.close()
+        self.publisher.close()
+
+
+class NcclBenchTransport(BenchTransport):
+    """The NCCL publisher's own engine ranks (other processes), which report their timings and weights."""
+
+    def __init__(self, name: str, publisher, ctx: BenchContext):
+        self.name, self.publisher, self.ctx = name, publisher, ctx
+        self.drives_optimizer_step = False
+        self.devices = (publisher.device,)
+        self.procs, self.backend, self.world = publisher.procs, publisher.backend, publisher.world
+
+    def boot(self) -> None:
+        self.publisher.publish(0)
+        self.publisher.engine_timings()
+
+    def publish(self, step: int) -> tr.PublishResult:
+        return self.publisher.publish(step)
+
+    def prefetch(self, step: int) -> float | None:
+        return None
+
+    def update(self, step: int) -> tr.UpdateResult:
+        per_rank = self.publisher.engine_timings()
+        # Dispatch resumes when the slowest engine rank has its weights.
+        pause, transfer, resume = max(per_rank, key=sum)
+        return tr.UpdateResult(pause, transfer, resume, details=dict(engine_ranks=float(len(per_rank))))
+
+    def engine_states(self) -> list[dict[str, torch.Tensor]]:
+        return self.publisher.engine_states()
+
+    def close(self) -> None:
+        self.publisher.close()
+
+
+def make_bench_transport(name: str, ctx: BenchContext) -> BenchTransport:
+    """Transport ``name`` (filesystem, inprocess, sparse, nccl) from the one factory, paired for the benchmark."""
+    from rltune.sync.sender import DeltaPublisherConfig
+
+    canonical = tr.canonical_name(name)
+    delta = DeltaPublisherConfig(interval=ctx.anchor_interval, run_id=f"sync-bench-{uuid.uuid4().hex[:8]}",
+                                 chunk_elements=ctx.chunk_elements, differ=ctx.differ,
+                                 dense_fraction=ctx.dense_fraction)
+    publisher = tr.make_publisher(canonical, model=ctx.model, optimizer=ctx.optimizer, workdir=ctx.workdir,
+                                  shared=False, delta=delta,
+                                  build_engine=functools.partial(ToyEngine, ctx.engine_config),
+                                  engines=ctx.nccl_engines, timeout_s=ctx.nccl_timeout_s)
+    if canonical == "nccl":
+        return NcclBenchTransport(name, publisher, ctx)
+    return BenchTransport(name, publisher, ctx)
+
+
+__all__ = ["BenchContext", "BenchTransport", "NcclBenchTransport", "make_bench_transport"]

@@ -1,0 +1,128 @@
+"""The fused multi-tensor apply on a CPU: one compiled pass per delta entry (numba, no GIL).
+
+The torch reference (:func:`rltune.sync.kernels.reference.apply_deltas_ref`) builds a dozen
+temporaries per entry (row, column, positions, gathers, wrapped sums); on a two-core machine that
+is ~1 µs per change. This kernel walks each change once: map the checkpoint index to the target
+position (strided window or row/column offset tables, as in the Triton kernel), add the wrapped
+difference (or write the new bits), and accumulate the running-checksum change modulo 2^64 in
+uint64. It must equal the torch reference bit for bit (tests/sync/test_kernels.py).
+
+Shapes: ``idx_C`` int64 checkpoint indices, ``val_C`` int32 (wrapped differences or new bits),
+``target_N`` a flat int16 / int32 / uint8 view of the parameter's bits.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numba
+import numpy as np
+import torch
+
+
+@numba.njit(cache=True, nogil=True)
+def _apply_entry(target_N, idx_C, val_C, width, ncols, base, row_stride, col_stride, r0, r1, c0, c1,
+                 row_table, col_table, use_tables, add, signed):
+    mask = (np.int64(1) << width) - 1
+    half = np.int64(1) << (width - 1)
+    full = mask + 1
+    checksum = np.uint64(0)
+    written = 0
+    # a whole-row window laid out row-major (a full tensor, a row slice, one half of a fused
+    # parameter): the position is base + i, no division
+    contiguous = (not use_tables) and c0 == 0 and c1 == ncols and col_stride == 1 and row_stride == ncols
+    lo, hi = r0 * ncols, r1 * ncols
+    for j in range(idx_C.shape[0]):
+        i = idx_C[j]
+        if contiguous:
+            if i < lo or i >= hi:
+                continue
+            pos = base + i
+        else:
+            r = i // ncols
+            c = i - r * ncols
+            if use_tables:
+                rt = row_table[r]
+                ct = col_table[c]
+                if rt < 0 or ct < 0:
+                    continue
+                pos = base + rt + ct
+            else:
+                if r < r0 or r >= r1 or c < c0 or c >= c1:
+                    continue
+                pos = base + r * row_stride + c * col_stride
+        old = np.int64(target_N[pos]) & mask
+        if add:
+            new = (old + np.int64(val_C[j])) & mask
+        else:
+            new = np.int64(val_C[j]) & mask
+        target_N[pos] = new - full if (signed and new >= half) else new
+        checksum += np.uint64(i + 1) * np.uint64(new - old)
+        written += 1
+    return checksum, written
+
+
+_EMPTY_TABLE = np.zeros(1, dtype=np.int64)
+
+
+_POOL: ThreadPoolExecutor | None = None
+_PARALLEL_MIN_CHANGES = 1 << 16  # below this a second thread costs more than it saves
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rltune-apply")
+    return _POOL
+
+
+def apply_deltas_cpu(targets: list[torch.Tensor], layouts: list[dict], entry_tensor_E: torch.Tensor,
+                     entry_offsets_E1: torch.Tensor, idx_C: torch.Tensor, val_C: torch.Tensor,
+                     add: bool, threads: int | None = None) -> tuple[list[int], list[int]]:
+    """:func:`~rltune.sync.kernels.reference.apply_deltas_ref`'s contract, compiled: per entry the
+    running-checksum change (mod 2^64) and the number of changes written.
+
+    A sparse patch waits on memory, one cache line per change (measured here: ~20 ns a change at 1 %
+    density against ~2 ns dense), so with ``threads`` > 1 (default: two when the machine has two
+    cores) the entries are split between this thread and a second one; the kernel holds no GIL and
+    entries write disjoint elements. ``RLTUNE_APPLY_THREADS`` overrides the default.
+    """
+    idx = idx_C.to(torch.int64).numpy()
+    val = val_C.to(torch.int32).numpy()
+    offsets = entry_offsets_E1.tolist()
+    views = [t.reshape(-1).numpy() for t in targets]
+    widths = [{np.dtype("int16"): 16, np.dtype("int32"): 32, np.dtype("uint8"): 8}[v.dtype] for v in views]
+    entries = entry_tensor_E.tolist()
+    checksums, written = [0] * len(entries), [0] * len(entries)
+
+    def run(chosen: list[int]) -> None:
+        for e in chosen:
+            lay = layouts[entries[e]]
+            target = lay["target"]
+            tables = lay.get("row_table") is not None
+            rt = lay["row_table"].numpy() if tables else _EMPTY_TABLE
+            ct = lay["col_table"].numpy() if tables else _EMPTY_TABLE
+            s, n = _apply_entry(views[target], idx[offsets[e]:offsets[e + 1]], val[offsets[e]:offsets[e + 1]],
+                                widths[target], lay["ncols"], lay["base"], lay["row_stride"], lay["col_stride"],
+                                lay["row_window"][0], lay["row_window"][1], lay["col_window"][0],
+                                lay["col_window"][1], rt, ct, tables, add, views[target].dtype != np.uint8)
+            checksums[e], written[e] = int(s), int(n)
+
+    if threads is None:
+        threads = int(os.environ.get("RLTUNE_APPLY_THREADS", "0")) or min(2, os.cpu_count() or 1)
+    if threads < 2 or offsets[-1] < _PARALLEL_MIN_CHANGES or len(entries) < 2:
+        run(list(range(len(entries))))
+        return checksums, written
+    # two halves of about equal changes, the larger entries dealt first
+    order = sorted(range(len(entries)), key=lambda e: offsets[e] - offsets[e + 1])
+    halves: list[list[int]] = [[], []]
+    load = [0, 0]
+    for e in order:
+        k = 0 if load[0] <= load[1] else 1
+        halves[k].append(e)
+        load[k] += offsets[e + 1] - offsets[e]
+    second = _pool().submit(run, halves[1])
+    run(halves[0])
+    second.result()
+    return checksums, written

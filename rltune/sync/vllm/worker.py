@@ -1,0 +1,422 @@
+"""Inside each vLLM worker: the extension vLLM mixes into its worker class (``worker_extension_cls``).
+
+:class:`RltuneWorkerExtension` adds four methods that an orchestrator calls through vLLM's
+``collective_rpc`` (every worker of the engine runs each): ``rltune_attach``, ``rltune_prepare``,
+``rltune_update`` and ``rltune_weights``. Each takes one JSON string and returns a JSON-able dict,
+so the same calls work in-process (``LLM.collective_rpc``) and over HTTP (``vllm serve`` with
+``VLLM_SERVER_DEV_MODE=1``: ``POST /collective_rpc``). An rltune error comes back as
+``{"ok": false, "error": <class name>, "message": ...}`` rather than as an exception, so that
+every transport carries it the same way; :mod:`rltune.sync.vllm.receiver` raises it again.
+
+What attaching does, on every worker:
+
+1. A gloo group over the worker's TP group with a time-out (``timeout_s``), so a worker that
+   fails or dies makes the others' collectives fail within that time instead of hanging.
+2. The checkpoint -> parameter index map, recorded by running the engine's **own**
+   ``load_weights`` on a second, unprocessed instance of the model built in float64 from the
+   engine's config (qkv / gate_up packing, vocabulary padding, TP slicing all come from vLLM).
+3. **Plain weights** (CPU engines). vLLM's CPU path repacks every linear weight after loading
+   (oneDNN or its own packed GEMM) and empties ``layer.weight``; the embedding and ``lm_head``
+   keep ``weight`` but compute from a packed copy. A write to ``weight`` then changes nothing the
+   kernels read, yet would pass any checksum of ``weight``. Re-running the packing for every
+   patched layer after each delta would cost as much as vLLM's own full reload (AdamW touches every
+   layer each step), so the extension keeps plain weights instead: each linear layer computes with
+   ``F.linear(x, layer.weight)``, its weight restored from the engine's own checkpoint through the
+   same unprocessed instance. Patches and checksums then act on exactly the tensors the kernels
+   read. GPU engines compute from ``layer.weight`` as loaded and need none of this.
+4. The latest complete anchor (only the rows this worker holds) and the deltas since, verified.
+
+Before every update writes anything, the worker checks that each parameter it writes is still the
+module's registered parameter, with the same storage and size, and (CPU) that every linear layer
+still computes with the plain weight; otherwise (someone ran ``reload_weights``, which repacks) it
+raises :class:`EngineWeightsMovedError`: call ``attach`` again.
+
+``prepare(step)`` starts a thread that reads and decodes this worker's changes of ``step`` into
+reused buffers and returns at once, so the engine keeps serving while it runs; ``update(step)``
+waits for it (at most ``timeout_s``), applies the changes in place and verifies every tensor the
+worker holds (GPU: the fused Triton apply kernel; CPU: the same apply compiled for the CPU,
+:mod:`rltune.sync.kernels.cpu_kernels`, whose oracle is the torch reference).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from typing import Any
+
+import torch
+
+from rltune.errors import RltuneError
+from rltune.sync import format as fmt
+
+
+class VllmSyncError(RltuneError):
+    """The vLLM integration cannot attach to or update an engine (the message says why and what to do)."""
+
+
+class EngineWeightsMovedError(VllmSyncError):
+    """A parameter the receiver writes is no longer what the engine computes with; attach again."""
+
+
+class NotAttachedError(VllmSyncError):
+    """``prepare`` or ``update`` before ``attach``."""
+
+
+def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The CPU GEMM the extension gives every linear layer: the layer's own, patchable weight."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+# --------------------------------------------------------------------------------------------- the model
+
+
+def build_unprocessed_model(vllm_config, dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """A second instance of the engine's model, parameters in ``dtype``, no weights loaded, not processed.
+
+    vLLM registers each attention layer by name in the compilation config when it is built; the
+    registry is swapped out while the copy is built so the serving model's entries stay as they are.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    cc = vllm_config.compilation_config
+    saved = {name: getattr(cc, name) for name in ("static_forward_context", "static_all_moe_layers")
+             if hasattr(cc, name)}
+    for name, value in saved.items():
+        setattr(cc, name, type(value)())
+    try:
+        with set_current_vllm_config(vllm_config), set_default_torch_dtype(dtype), torch.device(device):
+            return initialize_model(vllm_config=vllm_config, prefix="")
+    finally:
+        for name, value in saved.items():
+            setattr(cc, name, value)
+
+
+def record_index_map(vllm_config, spec: dict[str, tuple[list[int], str]], source: str):
+    """The worker's checkpoint -> parameter map, from vLLM's own ``load_weights`` on float64 placeholders."""
+    from vllm.config import set_current_vllm_config
+
+    from rltune.sync.indexmap import IndexMap
+
+    with set_current_vllm_config(vllm_config):
+        return IndexMap.record(lambda dt: build_unprocessed_model(vllm_config, dt), spec, torch.float64, source)
+
+
+def keep_plain_weights(model: torch.nn.Module, vllm_config) -> int:
+    """CPU: make every layer vLLM repacked compute with its plain, registered weight again.
+
+    The weights vLLM emptied come from an unprocessed instance loaded by the engine's own loader
+    from the engine's checkpoint (the values it booted with). Returns the layers changed.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+
+    layers = [(name, m) for name, m in model.named_modules() if hasattr(m, "cpu_linear")]
+    if not layers:
+        return 0
+    emptied = [name for name, m in layers
+               if any(p.numel() == 0 for p in m.parameters(recurse=False))]
+    if emptied:
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        fresh = build_unprocessed_model(vllm_config, dtype)
+        with set_current_vllm_config(vllm_config):
+            get_model_loader(vllm_config.load_config).load_weights(fresh, vllm_config.model_config)
+        fresh_modules = dict(fresh.named_modules())
+        for name in emptied:
+            module, source = dict(model.named_modules())[name], fresh_modules[name]
+            for pname, p in list(module.named_parameters(recurse=False)):
+                plain = source.get_parameter(pname)
+                if p.shape != plain.shape or p.dtype != plain.dtype:
+                    module.register_parameter(pname, plain)
+    for _, m in layers:
+        m.cpu_linear = plain_linear
+    return len(layers)
+
+
+class KernelGuard:
+    """Checks, in O(parameters), that every parameter the receiver writes is what the engine computes with.
+
+    Built once at attach: the (module, attribute) that holds each written parameter, its storage
+    address and size, and the layers that must compute with :func:`plain_linear` (CPU).
+    """
+
+    def __init__(self, model: torch.nn.Module, params: dict[str, torch.Tensor]):
+        modules = dict(model.named_modules())
+        self.slots = []
+        for name, p in params.items():
+            owner, _, leaf = name.rpartition(".")
+            self.slots.append((name, modules[owner], leaf, p, p.data_ptr(), p.numel()))
+        self.plain = [(name, m) for name, m in modules.items() if hasattr(m, "cpu_linear")]
+
+    def __call__(self) -> None:
+        for name, module, leaf, p, address, numel in self.slots:
+            live = module._parameters.get(leaf)
+            if live is not p or p.numel() != numel or numel == 0 or p.data_ptr() != address:
+                raise EngineWeightsMovedError(
+                    f"engine parameter {name} was replaced or moved since attach (vLLM's reload_weights and its "
+                    "post-load processing repack and empty linear weights); a patch would write a tensor the kernels "
+                    "no longer read: call attach again")
+        for name, m in self.plain:
+            if m.cpu_linear is not plain_linear:
+                raise EngineWeightsMovedError(f"layer {name} computes from a repacked copy of its weight again; "
+                                              "call attach again")
+
+
+# --------------------------------------------------------------------------------------------- TP groups
+
+
+def _tp_group(timeout_s: float):
+    """(gloo group over this worker's TP group with a time-out, or None with TP 1, TP rank, TP size)."""
+    import datetime
+
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state
+
+    tp = parallel_state.get_tp_group()
+    if tp.world_size == 1:
+        return None, 0, 1
+    world = dist.get_world_size()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    mine = None
+    # new_group is collective over the whole world: every worker creates every TP group's copy.
+    for first in range(0, world, tp.world_size):
+        ranks = list(range(first, first + tp.world_size))
+        group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        if dist.get_rank() in ranks:
+            mine = group
+            if ranks != list(tp.ranks):
+                raise VllmSyncError(f"this worker's TP group is ranks {list(tp.ranks)}, not the consecutive ranks "
+                                    f"{ranks} rltune assumes; run one engine per process group")
+    return mine, tp.rank_in_group, tp.world_size
+
+
+# --------------------------------------------------------------------------------------------- the worker's state
+
+
+class WorkerSync:
+    """One worker's receiver state (what ``rltune_attach`` builds and the other calls use)."""
+
+    def __init__(self, worker, root: str, timeout_s: float, verify: str):
+        from rltune.sync.receiver import DeltaReceiver
+        from rltune.sync.store import BroadcastStore
+
+        self.worker = worker
+        self.timeout_s = timeout_s
+        self.model = worker.model_runner.get_model()
+        self.device = next(self.model.parameters()).device
+        self.group, self.tp_rank, self.tp_size = _tp_group(timeout_s)
+        store = BroadcastStore(root)
+        step = self._agree(lambda: self._latest(store))
+        manifest = self._agree_phase(lambda: store.manifest(step))
+        source = str(store.step_dir(step) / fmt.MANIFEST_NAME)
+        spec = {n: (t["shape"], t["dtype"]) for n, t in manifest["tensors"].items()}
+        config = worker.vllm_config
+        start = time.perf_counter()
+        self.index_map = self._agree_phase(lambda: record_index_map(config, spec, source))
+        self.record_s = time.perf_counter() - start
+        self.plain_layers = keep_plain_weights(self.model, config) if self.device.type == "cpu" else 0
+        named = dict(self.model.named_parameters())
+        self.params = {n: named[n] for n in self.index_map.param_names}
+        self.guard = KernelGuard(self.model, self.params)
+        self._agree_phase(self.guard)
+        # GPU: the fused Triton kernel; CPU: its compiled CPU pass (the torch reference, ~1 µs a change on
+        # two cores, would hold the pause for seconds at 100 M parameters)
+        fused_backend = "triton" if self.device.type == "cuda" else "numba"
+        self.receiver = DeltaReceiver(root, self.model, self.index_map, group=self.group, fused=True,
+                                      fused_backend=fused_backend)
+        self.receiver.before_write = self.guard
+        self.verify = verify
+        self._prefetch: tuple[int, threading.Thread, dict[str, Any]] | None = None
+
+    @staticmethod
+    def _latest(store) -> int:
+        steps = store.complete_steps()
+        if not steps:
+            raise fmt.ChainError(f"{store.root}: no complete step to attach to; publish the boot checkpoint "
+                                 "(DeltaPublisher.publish(0)) before attaching engines")
+        return steps[-1]
+
+    def _agree(self, fn):
+        """TP rank 0 computes, every worker gets its answer (or its error)."""
+        out = None
+        if self.tp_rank == 0:
+            try:
+                out = dict(value=fn())
+            except RltuneError as exc:
+                out = dict(error=type(exc).__name__, message=str(exc))
+        if self.group is not None:
+            import torch.distributed as dist
+
+            box = [out]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+            out = box[0]
+        if "error" in out:
+            raise _error_class(out["error"])(out["message"])
+        return out["value"]
+
+    def _agree_phase(self, fn):
+        """Every worker runs ``fn``; if it fails on any, it fails on all (with the failing worker's own error)."""
+        err: Exception | None = None
+        result = None
+        try:
+            result = fn()
+        except Exception as exc:  # re-raised below, once every worker has said whether it failed
+            err = exc
+        failed = err is not None
+        if self.group is not None:
+            import torch.distributed as dist
+
+            flag = torch.tensor([1 if failed else 0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            failed = bool(flag.item())
+        if err is not None:
+            raise err
+        if failed:
+            raise fmt.UpdateFailedError("attaching failed on another worker of this TP group; see its error")
+        return result
+
+    # ----------------------------------------------------------------------------------------- calls
+
+    def load_latest(self) -> dict[str, Any]:
+        return _report(self.receiver.load_latest(), self.receiver)
+
+    def prepare(self, step: int) -> dict[str, Any]:
+        self._join_prefetch()
+        result: dict[str, Any] = {}
+
+        def run():
+            start = time.perf_counter()
+            result["prefetched"] = self.receiver.prefetch(step)
+            result["prefetch_s"] = time.perf_counter() - start
+
+        thread = threading.Thread(target=run, name=f"rltune-prefetch-{step}", daemon=True)
+        self._prefetch = (step, thread, result)
+        thread.start()
+        return dict(step=step, started=True)
+
+    def _join_prefetch(self) -> dict[str, Any]:
+        if self._prefetch is None:
+            return {}
+        step, thread, result = self._prefetch
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            raise fmt.UpdateFailedError(f"reading step {step}'s delta did not finish within {self.timeout_s:.0f} s; "
+                                        "check the broadcast root's storage")
+        self._prefetch = None
+        return dict(result, prefetch_step=step)
+
+    def update(self, step: int) -> dict[str, Any]:
+        prefetch = self._join_prefetch()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        report = self.receiver.apply(step)
+        if self.verify == "full":
+            self._verify_full(step)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        out = _report(report, self.receiver)
+        out.update(prefetched=bool(prefetch.get("prefetched")) and prefetch.get("prefetch_step") == step,
+                   prefetch_s=prefetch.get("prefetch_s"))
+        return out
+
+    def _verify_full(self, step: int) -> None:
+        """Recompute every share from the parameters (O(weights)) and check it, on top of the running check."""
+        self.receiver.recompute_shares()
+        self.receiver._verify(step)
+
+def _report(report, receiver) -> dict[str, Any]:
+    return dict(ok=True, action=report.action, step=report.step, anchor=report.anchor, deltas=list(report.deltas),
+                changes=report.changes_applied, seconds=report.seconds, phases=dict(report.phases),
+                anchor_loads=receiver.anchor_loads,
+                deltas_applied=receiver.deltas_applied)
+
+
+def _error_class(name: str) -> type[RltuneError]:
+    from rltune.sync.vllm.receiver import error_class
+
+    return error_class(name)
+
+
+# --------------------------------------------------------------------------------------------- the extension
+
+
+def _call(fn, request: str) -> dict[str, Any]:
+    args = json.loads(request) if request else {}
+    if not isinstance(args, dict):
+        return dict(ok=False, error="VllmSyncError", message=f"request must be a JSON object, got {request[:80]!r}")
+    try:
+        return fn(**args)
+    except RltuneError as exc:
+        return dict(ok=False, error=type(exc).__name__, message=str(exc))
+
+
+class RltuneWorkerExtension:
+    """Mixed into vLLM's worker class: ``LLM(..., worker_extension_cls=rltune.sync.vllm.WORKER_EXTENSION)``."""
+
+    def _rltune_sync(self) -> WorkerSync:
+        state = getattr(self, "_rltune_state", None)
+        if state is None:
+            raise NotAttachedError("this engine is not attached to a broadcast root; call attach() first")
+        return state
+
+    def rltune_attach(self, request: str = "") -> dict[str, Any]:
+        """``{"root": DIR, "timeout_s": 120, "verify": "running" | "full"}``: build the state, load the latest step."""
+        def attach(root: str, timeout_s: float = 120.0, verify: str = "running") -> dict[str, Any]:
+            if verify not in ("running", "full"):
+                raise VllmSyncError(f"verify must be 'running' or 'full', got {verify!r}")
+            start = time.perf_counter()
+            state = WorkerSync(self, root, float(timeout_s), verify)
+            self._rltune_state = state
+            out = state.load_latest()
+            out.update(attach_s=time.perf_counter() - start, record_s=state.record_s, tp_rank=state.tp_rank,
+                       tp_size=state.tp_size, plain_layers=state.plain_layers,
+                       engine_only={k: v for k, v in state.index_map.engine_only.items()})
+            return out
+        return _call(attach, request)
+
+    def rltune_prepare(self, request: str = "") -> dict[str, Any]:
+        """``{"step": S}``: start reading and decoding step S's changes; returns at once."""
+        return _call(lambda step: dict(ok=True, **self._rltune_sync().prepare(int(step))), request)
+
+    def rltune_update(self, request: str = "") -> dict[str, Any]:
+        """``{"step": S}``: bring the weights to step S in place (or reload + replay) and verify them."""
+        def update(step: int) -> dict[str, Any]:
+            start = time.perf_counter()
+            out = self._rltune_sync().update(int(step))
+            out["worker_s"] = time.perf_counter() - start
+            return out
+        return _call(update, request)
+
+    def rltune_weights(self, request: str = "") -> dict[str, Any]:
+        """``{"tensors": false, "plain": false}``: every parameter's SHA-256, shape and dtype (and, with
+        ``tensors``, a CPU copy: in-process and multiprocess engines only, not over HTTP). ``plain``: first
+        make an unattached CPU engine compute with plain weights (its reference for "a full reload")."""
+        def weights(tensors: bool = False, plain: bool = False) -> dict[str, Any]:
+            model = self.model_runner.get_model()
+            if plain and getattr(self, "_rltune_state", None) is None and \
+                    next(model.parameters()).device.type == "cpu":
+                keep_plain_weights(model, self.vllm_config)
+            return dict(ok=True, weights=parameter_digests(model, tensors))
+        return _call(weights, request)
+
+
+def parameter_digests(model: torch.nn.Module, tensors: bool = False) -> dict[str, Any]:
+    """name -> {sha256, shape, dtype[, tensor]} of every parameter, its bytes as the engine holds them."""
+    out = {}
+    for name, p in model.named_parameters():
+        data = p.detach().contiguous().cpu()
+        entry: dict[str, Any] = dict(
+            sha256=hashlib.sha256(data.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest(),
+            shape=list(data.shape), dtype=str(data.dtype).removeprefix("torch."))
+        if tensors:
+            entry["tensor"] = data.clone()
+        out[name] = entry
+    return out
+
+
+__all__ = ["EngineWeightsMovedError", "NotAttachedError", "RltuneWorkerExtension", "VllmSyncError", "WorkerSync",
+           "KernelGuard", "build_unprocessed_model", "keep_plain_weights", "parameter_digests",
+           "plain_linear"]

