@@ -25,6 +25,7 @@ REFERENCE_KNOBS = {"rl_mode", "max_sample_age", "micro_batch_size", "packing", "
                    "reuse_rollout_logprobs", "engine_max_concurrency", "engine_batching", "num_engines",
                    "engine_compile", "sandbox_pool_size", "prebuilt_image", "sync_transport"}
 GPU_SPLIT_KNOBS = {"trainer_gpus", "rollout_gpus"}  # placement.*: only jobs of several GPUs map them
+SEED_KNOBS = {"seed", "task_seed"}  # what 'rltune reward-check' sets (sampling) and holds (task order)
 
 
 def test_every_preset_file_has_a_loader():
@@ -69,7 +70,7 @@ def test_job_preset_loads_and_its_knobs_are_the_workload_config_values(path):
             node = getattr(node, part)
         # A run without overrides must be the job's baseline, or cases would record wrong knobs.
         assert node == job.knobs[knob], f"{path}: knob {knob}={job.knobs[knob]!r} but {config_path.name} {key}={node!r}"
-    assert set(job.knobs) <= REFERENCE_KNOBS | GPU_SPLIT_KNOBS
+    assert set(job.knobs) <= REFERENCE_KNOBS | GPU_SPLIT_KNOBS | SEED_KNOBS
     assert not (set(job.knobs) & GPU_SPLIT_KNOBS) or job.gpus.count >= 2
     assert job.launch.steps_override == "orchestrator.steps"
 
@@ -89,6 +90,16 @@ def test_knowledge_base_loads_with_enough_fixes_and_maps_reference_knobs():
     assert {f.id for f in split} >= {"gpus_to_training", "gpus_to_rollout"}
     assert all(set(f.overrides) <= set(split_job.launch.knob_map) for f in split)
     assert all(f.source and f.moves for f in knowledge.fixes)
+
+
+@pytest.mark.parametrize("learn, tuned_from", [("cpu-math-learn.yaml", "cpu-demo.yaml"),
+                                               ("h200-tiny-math-learn.yaml", "h200-tiny-math.yaml")])
+def test_a_learning_job_has_the_knobs_of_the_job_whose_tuned_presets_it_checks(learn, tuned_from):
+    # 'rltune reward-check TUNED --against LEARN' runs TUNED's changed knobs on LEARN: same names, same baseline.
+    job, demo = load_job(PRESETS / learn), load_job(PRESETS / tuned_from)
+    assert {k: v for k, v in job.knobs.items() if k not in SEED_KNOBS} == demo.knobs
+    assert {k: v for k, v in job.launch.knob_map.items() if k not in SEED_KNOBS} == demo.launch.knob_map
+    assert job.launch.knob_map["seed"] == "orchestrator.seed" and job.launch.knob_map["task_seed"] == "env.seed"
 
 
 def test_every_launcher_has_a_job_preset_and_new_presets_are_found_by_the_glob():
