@@ -202,7 +202,11 @@ def check_engine_args(cfg: WorkloadConfig, file: str) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="rltune-vllm-check-") as model_dir:
             from rltune.workload.model import model_config
 
-            model_config(cfg.model.preset).save_pretrained(model_dir)
+            hf_config = model_config(cfg.model.preset)
+            # what the engines boot from names its class (write_boot_checkpoint); without it vLLM
+            # resolves a pooling model and would validate against another runner's rules
+            hf_config.architectures = ["Qwen3ForCausalLM"]
+            hf_config.save_pretrained(model_dir)
             try:
                 config = EngineArgs(model=model_dir, **args).create_engine_config(usage_context(cfg.engine.serve))
             except Exception as exc:  # pydantic ValidationError, ValueError, NotImplementedError: vLLM's refusals
