@@ -453,8 +453,10 @@ class _Base:
             summary = self.receiver.update(int(message["step"]))
             if summary.step != int(message["step"]):
                 raise RltuneError(f"vLLM engine {self.index} reached broadcast step {summary.step}, not {message['step']}")
+            phases = [w.get("phases", {}) for w in summary.workers]
             return {"bytes": float(message.get("bytes", 0.0)), "changes_applied": float(summary.changes),
-                    "reloaded": float(summary.action == "reload"), "apply_s": summary.apply_s}
+                    "reloaded": float(summary.action == "reload"), "apply_s": summary.apply_s,
+                    "read_s": max(p.get("read", 0.0) for p in phases), "write_s": max(p.get("write", 0.0) for p in phases)}
         directory = reload_dir(self.s.run_dir, self.index, message)
         try:
             self.update_full(str(directory))

@@ -124,6 +124,11 @@ class _Job:
         for key in ("delta_bytes", "anchor_bytes"):
             if key in published.details:
                 out[f"sync_{key}"] = published.details[key]
+        if all("changes_applied" in x for x in loads):  # sparse deltas: elements each engine patched
+            out["sync_changes"] = max(x["changes_applied"] for x in loads)
+        for key in ("read_s", "write_s"):  # vLLM engines: reading + decoding the delta, patching the weights
+            if all(key in x for x in loads):
+                out[f"sync_{key}_max"] = max(x[key] for x in loads)
         return out
 
     def train(self, groups: list[Group]) -> tuple[dict[str, float], list[int]]:
