@@ -223,6 +223,10 @@ def profile_job(job_path: str | Path, run_dir: str | Path, steps: int | None = N
 
     ``job``: the job file's contents as changed by the caller (``--vllm-metrics`` sets its metrics URL).
     """
+    from rltune.workload.jobcheck import check_workload_job
+
+    # a reference-workload job whose config the workload (or vLLM) would refuse: one line, before it starts
+    check_workload_job(job if job is not None else load_job(job_path), job_path, overrides, steps)
     run = record_run(job_path, run_dir, job=job, overrides=overrides, steps=steps, on_output=on_output)
     if run.ok:
         return run

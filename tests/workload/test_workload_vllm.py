@@ -137,6 +137,45 @@ def test_a_misspelt_vllm_argument_is_one_line_naming_the_key_before_any_engine_s
     assert not (tmp_path / "run" / "engine-boot").exists()  # refused before the trainer or any engine started
 
 
+VLLM_JOB = REPO / "presets" / "cpu-vllm-demo.yaml"
+
+
+def _misspelt_job(tmp_path: Path) -> Path:
+    """presets/cpu-vllm-demo.yaml with one vLLM argument misspelt in its knob_map (its workload file by absolute path)."""
+    text = VLLM_JOB.read_text()
+    assert "engine.vllm.max_num_seqs" in text
+    text = text.replace("engine.vllm.max_num_seqs", "engine.vllm.max_num_seqz").replace(
+        "presets/workload/tiny-math-vllm-64x8.yaml", str(WIDE_MATH))
+    job = tmp_path / "job.yaml"
+    job.write_text(text)
+    return job
+
+
+@pytest.mark.parametrize("command", ["profile", "auto"])
+def test_a_misspelt_vllm_argument_in_a_tuning_job_is_one_line_before_the_job_starts(tmp_path, capsys, command):
+    from rltune.cli.main import main
+
+    job = _misspelt_job(tmp_path)
+    where = ["--out", str(tmp_path / "run")] if command == "profile" else ["--workdir", str(tmp_path / "run"), "--no-live"]
+    assert main([command, str(job), *where]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("rltune:")]
+    assert lines == [f"rltune: {job}: launch.knob_map.engine_max_concurrency: {WIDE_MATH}: engine.vllm.max_num_seqz: "
+                     "not a vLLM engine argument: EngineArgs.__init__() got an unexpected keyword argument "
+                     "'max_num_seqz' (did you mean 'max_num_seqs'?)"]
+    assert not (tmp_path / "run").exists()  # nothing launched, no journal
+
+
+def test_a_knob_override_vllm_refuses_is_one_line_naming_the_knob_and_the_key(tmp_path, capsys):
+    from rltune.cli.main import main
+
+    assert main(["profile", str(VLLM_JOB), "--out", str(tmp_path / "run"), "--set", "kv_cache_dtype=fp9"]) == 2
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("rltune:")]
+    assert line.startswith(f"rltune: {VLLM_JOB}: launch.knob_map.kv_cache_dtype: ")
+    assert "engine.vllm.kv_cache_dtype: vLLM refused the engine arguments: ValidationError" in line
+    assert "Input should be 'auto'" in line  # vLLM's own words
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_value_vllm_refuses_keeps_vllms_message_and_names_the_key(tmp_path):
     out = _cli("workload", "check", str(TINY_MATH), "engine.vllm.kv_cache_dtype=fp9")
     assert out.returncode == 2
