@@ -37,7 +37,8 @@ from rltune.errors import RltuneError
 from rltune.sync import codec
 from rltune.sync import format as fmt
 from rltune.sync.indexmap import IndexMap, TensorRuns
-from rltune.sync.kernels.reference import MASK64, as_bits, checksum_ref
+from rltune.sync.kernels.cpu_kernels import checksum_bits
+from rltune.sync.kernels.reference import MASK64, as_bits
 from rltune.sync.ops import apply_mapped_delta_ref, wire_width
 from rltune.sync.store import BroadcastStore
 
@@ -471,7 +472,7 @@ class DeltaReceiver:
         total = 0
         for cs, ln, pid, ps in zip(runs.ckpt_start.tolist(), runs.length.tolist(), runs.param.tolist(),
                                    runs.param_start.tolist(), strict=True):
-            total += checksum_ref(as_bits(self.params[pid].data)[ps: ps + ln], offset=cs)
+            total += checksum_bits(as_bits(self.params[pid].data)[ps: ps + ln], offset=cs)
         return total & MASK64
 
     def before_write(self) -> None:

@@ -44,7 +44,8 @@ from rltune.sync import codec, store
 from rltune.sync import format as fmt
 from rltune.sync.chunked import DEFAULT_MAX_ELEMENTS, chunked_step
 from rltune.sync.kernels import ChangeCapacityError, ChangeSink, KernelBackendError
-from rltune.sync.kernels.reference import MASK64, checksum_ref, checksum_update_ref, diff_ref
+from rltune.sync.kernels.cpu_kernels import checksum_bits
+from rltune.sync.kernels.reference import MASK64, checksum_update_ref, diff_ref
 from rltune.sync.ops import wire_bits, wire_diff, wire_width
 
 DEFAULT_CHUNK_ELEMENTS = DEFAULT_MAX_ELEMENTS
@@ -261,7 +262,8 @@ class DeltaPublisher:
         return wire_bits(self.tensors[name], self._wire_dtype(name))[a:b]
 
     def _share(self, name: str) -> int:
-        return checksum_ref(self._bits(name), offset=self.ranges[name][0])
+        # every publish checks every live tensor against its running checksum: compiled on a CPU
+        return checksum_bits(self._bits(name), offset=self.ranges[name][0])
 
     # -------------------------------------------------------------------------------- the step
 

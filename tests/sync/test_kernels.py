@@ -46,6 +46,20 @@ def test_checksum_kernel_equals_reference(n, width):
         assert R.checksum_ref(bits.cpu()) != 0, "reference is zero"
 
 
+@pytest.mark.parametrize("width", [16, 32, 8])
+@pytest.mark.parametrize("n", AWKWARD_SIZES)
+def test_the_compiled_cpu_checksum_equals_reference(n, width):
+    from rltune.sync.kernels.cpu_kernels import checksum_bits, checksum_cpu
+
+    bits = random_bits(n, width, seed=2 * n + width, device="cpu")
+    for offset in (0, 3, (1 << 40) + 7, (1 << 62) + 11):  # products and sums past 2^64 wrap as the reference's
+        assert checksum_cpu(bits, offset) == R.checksum_ref(bits, offset) == checksum_bits(bits, offset)
+    if n > 1:
+        assert checksum_cpu(bits[1:], 1) == R.checksum_ref(bits[1:], 1)  # a slice's share, as the publisher takes it
+    full = torch.full((4097,), -1, dtype=BITS[width])  # every element at its largest unsigned value
+    assert checksum_cpu(full, (1 << 62) - 5) == R.checksum_ref(full, (1 << 62) - 5)
+
+
 def test_checksum_of_a_float_tensor_uses_its_wire_bits():
     t = torch.randn(3000, dtype=torch.bfloat16).to(DEVICE)
     assert K.checksum(t, backend="triton") == R.checksum_ref(R.as_bits(t.cpu()))
