@@ -46,6 +46,7 @@ one line naming the key, with vLLM's message.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -177,12 +178,31 @@ def check_engine_args(cfg: WorkloadConfig, file: str) -> dict[str, Any]:
     ``EngineArgs.create_engine_config``, vLLM's own validation, on a config-only copy of the model
     (nothing is loaded, nothing starts). Returns the resolved scheduler and cache settings.
     """
-    import difflib
-    import tempfile
-
     from vllm.engine.arg_utils import EngineArgs
 
     check_reserved(cfg, file)
+    with _quiet_vllm():
+        return _check_engine_args(cfg, file, EngineArgs)
+
+
+@contextlib.contextmanager
+def _quiet_vllm():
+    """vLLM's own log while it builds a config only to check it: errors only. Its handler writes to
+    stdout, where 'rltune workload check' and 'rltune auto --json' print what a script reads."""
+    import logging
+
+    before = logging.root.manager.disable  # as vLLM's own suppress_logging: its loggers set their own levels
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(before)
+
+
+def _check_engine_args(cfg: WorkloadConfig, file: str, EngineArgs) -> dict[str, Any]:  # noqa: N803 (vLLM's class)
+    import difflib
+    import tempfile
+
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     for key in cfg.engine.vllm:
         if key not in fields:

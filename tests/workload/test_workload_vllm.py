@@ -176,6 +176,15 @@ def test_a_knob_override_vllm_refuses_is_one_line_naming_the_knob_and_the_key(tm
     assert not (tmp_path / "run").exists()
 
 
+def test_workload_check_prints_only_its_json_on_stdout(capfd):
+    """vLLM's log (its handler writes to stdout) stays out of what a script reads while vLLM checks the config."""
+    from rltune.cli.main import main
+
+    assert main(["workload", "check", str(TINY_MATH)]) == 0
+    (line,) = capfd.readouterr().out.splitlines()
+    assert json.loads(line)["vllm"]["max_num_seqs"] == 256
+
+
 def test_a_value_vllm_refuses_keeps_vllms_message_and_names_the_key(tmp_path):
     out = _cli("workload", "check", str(TINY_MATH), "engine.vllm.kv_cache_dtype=fp9")
     assert out.returncode == 2
