@@ -134,14 +134,15 @@ def test_readers_presets_load_and_bad_input_names_file_and_field(tmp_path, capsy
         readers_with_overrides(load_readers_config(resolve_readers_preset("ci")), poll_max_s=1e-4, poll_min_s=None)
 
 
-def test_cold_cache_readers_verify(tmp_path):
-    """cache: cold evicts each step's pages before releasing the readers; they still verify."""
+def test_cold_cache_readers_released_with_the_next_publish_verify(tmp_path):
+    """cache: cold evicts each step's pages, release: next_publish holds step s back until the writer publishes
+    s + 1 (so the publish runs under the readers' load); the readers still verify every step."""
     cfg = readers_with_overrides(load_readers_config(resolve_readers_preset("ci")), readers=[2], storage=["disk"],
-                                 cache=["cold"], steps=1, warmup_steps=0, writer_pause_s=0.0)
+                                 cache=["cold"], release="next_publish", steps=2, warmup_steps=0, writer_pause_s=0.0)
     from rltune.sync.bench.readers import run_readers_bench
 
     result = run_readers_bench(cfg, Path(tmp_path))
     (trial,) = result.record["trials"]
-    assert trial["cache"] == "cold" and trial["verified"] == trial["updates"] == 2 * 2
+    assert trial["cache"] == "cold" and trial["verified"] == trial["updates"] == 2 * 3
     rows = [json.loads(x) for x in result.rows_path.read_text().splitlines()]
     assert all(r["evicted_bytes"] > 0 for r in rows if r["who"] == "writer" and r["step"] > 0)

@@ -22,6 +22,9 @@ while readers still read step s (it waits only for every reader to have applied 
 its publish time is measured under their load; the record says how much of each publish
 overlapped reads.
 
+``release: next_publish`` lets the readers read step s only when the writer starts publishing
+s + 1, so that every publish runs while all N readers read: the writer's worst case.
+
 ``cache: cold`` (disk only) evicts each step's files from the page cache
 (``posix_fadvise(DONTNEED)``, after the writer's fsyncs) before the readers are let in through a
 release marker, so the first reader reads from the disk and the others share what it brought into
@@ -86,6 +89,9 @@ class ReadersConfig:
     cache: list[Literal["warm", "cold"]] = field(
         default_factory=lambda: ["warm"],
         doc="disk only: warm (readers read what the writer just wrote) or cold (its pages evicted first)")
+    release: Literal["complete", "next_publish"] = field(
+        "complete", doc="when readers may read step s: once it is complete, or when the writer starts publishing "
+                        "s + 1 (every publish then runs under the readers' load: the writer's worst case)")
     lr: float = field(3e-6, doc="AdamW learning rate (sets the changed fraction per step)", min=0)
     weight_decay: float = field(0.01, doc="AdamW decoupled weight decay", min=0)
     batch_size: int = field(2, doc="sequences per step (random tokens)", min=1)
@@ -299,7 +305,7 @@ def _reader_loop(spec: dict[str, Any], out: Path) -> None:
     store = BroadcastStore(spec["root"])
     rng = random.Random(spec["reader"])
     deadline = time.monotonic() + spec["timeout_s"]
-    release = (lambda s: control / f"release-{s:06d}") if spec["cold"] else (lambda s: None)
+    release = (lambda s: control / f"release-{s:06d}") if spec["gated"] else (lambda s: None)
     rows = []
 
     def emit(row: dict[str, Any]) -> None:
@@ -406,7 +412,8 @@ def _run_trial(cfg: ReadersConfig, storage: str, cache: str, n: int, work: Path,
         for r in range(n):
             spec = dict(reader=r, root=str(root), control=str(control), index_map=str(imap_path),
                         engine_cfg=engine_cfg.__dict__, steps=steps, timeout_s=cfg.timeout_s,
-                        poll_min_s=cfg.poll_min_s, poll_max_s=cfg.poll_max_s, cold=cache == "cold",
+                        poll_min_s=cfg.poll_min_s, poll_max_s=cfg.poll_max_s,
+                        gated=cache == "cold" or cfg.release == "next_publish",
                         rows_path=str(rows_dir / f"reader-{r:03d}.jsonl"))
             p = ctx.Process(target=_reader_main, args=(spec,), name=f"rltune-reader-{r}")
             p.start()
@@ -429,11 +436,14 @@ def _run_trial(cfg: ReadersConfig, storage: str, cache: str, n: int, work: Path,
             _wait_acks(control, procs, step - 2, deadline)  # at most two steps in flight
             if cfg.writer_pause_s:
                 time.sleep(cfg.writer_pause_s)
+            if cfg.release == "next_publish" and step > 1:
+                (control / f"release-{step - 1:06d}").touch()  # the readers read step - 1 while this one is published
             t0 = time.monotonic()
             manifest = pub.publish(step)
             t1 = time.monotonic()
             evicted = _evict(root / _step_name(step)) if cache == "cold" else 0
-            (control / f"release-{step:06d}").touch()
+            if cfg.release == "complete" or step == steps[-1]:
+                (control / f"release-{step:06d}").touch()
             writer_rows.append(dict(step=step, kind=manifest["kind"], publish_s=t1 - t0, start=t0, end=t1,
                                     train_s=train_s, bytes=_step_bytes(root, step),
                                     part_bytes=sum(f["bytes"] for f in manifest["parts"]), changes=changed,
