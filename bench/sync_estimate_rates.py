@@ -43,6 +43,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rltune.sync import codec  # noqa: E402
+from rltune.sync import format as fmt  # noqa: E402
 from rltune.sync.bench import git_sha  # noqa: E402
 from rltune.sync.indexmap import IndexMap  # noqa: E402
 from rltune.sync.receiver import DeltaReceiver  # noqa: E402
@@ -164,7 +165,7 @@ def anchor(base: Path, tensors: int, elements: int, repeats: int) -> dict:
         nbytes = sum(f["bytes"] for f in m0["anchors"])
         spec = {n: (x["shape"], x["dtype"]) for n, x in m0["tensors"].items()}
         imap = IndexMap.record(lambda dt: FlatEngine(tensors, elements, dt), spec)
-        with_anchor, delta_only, loads = [], [], []
+        with_anchor, delta_only, loads, reads = [], [], [], []
         for s in range(1, 2 * repeats + 1):
             _train(model, opt, s)
             pub.step()
@@ -174,6 +175,16 @@ def anchor(base: Path, tensors: int, elements: int, repeats: int) -> dict:
             dt = time.perf_counter() - t0
             (with_anchor if m["kind"] == "anchor" else delta_only).append(dt)
             if m["kind"] == "anchor":
+                # what a GPU engine does on its host to load an anchor: read every entry, CRC-checked (then it
+                # copies the bytes to the device and checks the checksums there)
+                t0 = time.perf_counter()
+                got = 0
+                for f in m["anchors"]:
+                    path = root / fmt.step_dir_name(s) / f["file"]
+                    header, start = fmt.read_part_header(path, expect_bytes=f["bytes"])
+                    for e in header["entries"]:
+                        got += len(fmt.read_anchor_range(path, start, e, 0, e["length"]))
+                reads.append(got / (time.perf_counter() - t0) / 1e9)
                 engine = FlatEngine(tensors, elements)
                 rx = DeltaReceiver(root, engine, imap, fused=True, fused_backend="numba")
                 t0 = time.perf_counter()
@@ -184,7 +195,8 @@ def anchor(base: Path, tensors: int, elements: int, repeats: int) -> dict:
         extra = [a - statistics.median(delta_only) for a in with_anchor]
         return dict(anchor_bytes=nbytes, publish_with_anchor_s=_stats(with_anchor), publish_delta_s=_stats(delta_only),
                     anchor_extra_s=_stats(extra), anchor_write_GBps=_stats([nbytes / e / 1e9 for e in extra]),
-                    anchor_load_s=_stats(loads), anchor_load_GBps=_stats([nbytes / x / 1e9 for x in loads]))
+                    anchor_load_s=_stats(loads), anchor_load_GBps=_stats([nbytes / x / 1e9 for x in loads]),
+                    anchor_read_crc_GBps=_stats(reads))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -224,6 +236,8 @@ def main() -> int:
     ap.add_argument("--disk-dir", type=Path, default=Path(__file__).resolve().parents[1] / "runs")
     ap.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"))
     ap.add_argument("--quick", action="store_true", help="small sizes, to check the script")
+    ap.add_argument("--sections", default="framing,overheads,anchor,storage",
+                    help="comma list of framing, overheads, anchor, storage")
     args = ap.parse_args()
     torch.set_num_threads(1)
     args.disk_dir.mkdir(parents=True, exist_ok=True)
@@ -234,19 +248,24 @@ def main() -> int:
                   device="cpu", cpus=os.cpu_count(), host=platform.node(),
                   versions=dict(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__),
                   quick=args.quick)
-    record["framing"] = framing()
-    record["overheads"] = overheads(counts, roots, steps=3 if args.quick else 5)
-    load.append(os.getloadavg())
-    record["anchor"] = {w: anchor(b, 8, (1 << 18) if args.quick else (1 << 24), 2 if args.quick else 3)
-                        for w, b in roots.items()}
-    load.append(os.getloadavg())
-    record["storage"] = {w: storage(b, 64 if args.quick else 512, 2 if args.quick else 3) for w, b in roots.items()}
-    load.append(os.getloadavg())
+    sections = set(args.sections.split(","))
+    if "framing" in sections:
+        record["framing"] = framing()
+    if "overheads" in sections:
+        record["overheads"] = overheads(counts, roots, steps=3 if args.quick else 5)
+        load.append(os.getloadavg())
+    if "anchor" in sections:
+        record["anchor"] = {w: anchor(b, 8, (1 << 18) if args.quick else (1 << 24), 2 if args.quick else 3)
+                            for w, b in roots.items()}
+        load.append(os.getloadavg())
+    if "storage" in sections:
+        record["storage"] = {w: storage(b, 64 if args.quick else 512, 2 if args.quick else 3) for w, b in roots.items()}
+        load.append(os.getloadavg())
     record["load_average"] = [[round(x, 2) for x in v] for v in load]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2))
-    print(json.dumps({k: record[k] for k in ("framing", "anchor", "storage")}, indent=1))
-    for w, o in record["overheads"].items():
+    print(json.dumps({k: record[k] for k in ("framing", "anchor", "storage") if k in record}, indent=1))
+    for w, o in record.get("overheads", {}).items():
         print(w, json.dumps(o["fit"]))
     return 0
 
