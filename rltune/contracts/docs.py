@@ -24,6 +24,7 @@ TABLES = {
     "cases": ("rltune.contracts.cases", "describe_columns"),
     "verdict": ("rltune.contracts.verdict", "Verdict"),
     "stage_map": ("rltune.profile.stage_map", "describe_stage_map"),
+    "sync_readers": ("rltune.sync.bench.readers", "ReadersConfig"),
 }
 
 
