@@ -149,7 +149,8 @@ def _readers(preset: str, out: Path, readers: str | None, storage: str | None, s
     record = result.record
     table = Table(title=f"sync-bench readers {cfg.name}: {record['model']['params'] / 1e6:.1f} M params, "
                         f"{record['cpus']} CPUs, medians over {cfg.steps} steps",
-                  caption="read+decode = one reader's prefetch of a step; x N=1 = its median over one reader's; "
+                  caption="read+decode = one reader's prefetch of a step (cpu: that reader's CPU time in it); x N=1 = "
+                          "its median over one reader's; "
                           "agg = bytes all readers read / the step's read window; load = load average at the start; "
                           "ok = reader updates bit-identical to the trainer")
     lines = readers_summary_lines(record)

@@ -53,6 +53,7 @@ def test_every_reader_verified_bit_for_bit_on_disk_and_shm(ci_run):
         assert 0 < t["changed_frac"]["min"] <= t["changed_frac"]["max"] < 0.2
         assert t["prefetch_s"]["min"] > 0 and t["read_s"]["min"] > 0 and t["decode_s"]["min"] > 0
         assert t["prefetch_s"]["min"] >= t["read_s"]["min"]
+        assert t["prefetch_cpu_s"]["min"] > 0 and 0 < t["prefetch_cpu_share"]["median"] <= 1.5
         assert t["aggregate_GBps"]["min"] > 0 and t["publish_s"]["min"] > 0
         assert t["load"]["start"] and t["load"]["end"]
     assert trials[("disk", 4)]["prefetch_over_one_reader"] > 0

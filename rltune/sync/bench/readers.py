@@ -11,7 +11,8 @@ with a :class:`rltune.sync.receiver.DeltaReceiver` on that store, and for every 
    ``poll_min_s`` to ``poll_max_s``: never a file of a step before its COMPLETE marker;
 2. ``prefetch(step)``: read + decode (timed; the reads inside it are timed apart by wrapping the
    two read functions of :mod:`rltune.sync.format` in the reader process, so decode = prefetch -
-   read);
+   read; the reader process's CPU time over the same call beside it, so that a prefetch slowed by
+   readers waiting for a core shows as CPU time flat against N while the wall time grows);
 3. ``apply(step)`` and its checksum verification (timed);
 4. SHA-256 of every engine parameter, compared afterwards with the digest of a reference engine
    loaded with the trainer's weights of that step: every reader verified bit for bit.
@@ -326,9 +327,9 @@ def _reader_loop(spec: dict[str, Any], out: Path) -> None:
         polls = wait_for_step(store, step, deadline, spec["poll_min_s"], spec["poll_max_s"], release(step), rng)
         seen_wall = time.time()
         meter.reset()
-        t0 = time.monotonic()
+        c0, t0 = time.process_time(), time.monotonic()
         ok = rx.prefetch(step)
-        t1 = time.monotonic()
+        t1, c1 = time.monotonic(), time.process_time()
         read_s, read_bytes = (meter.seconds, meter.bytes) if meter.available else (None, None)
         if not ok:
             raise ReadersBenchError(f"{spec['root']}: prefetch of complete step {step} failed (not a readable delta)")
@@ -337,7 +338,7 @@ def _reader_loop(spec: dict[str, Any], out: Path) -> None:
         if report.action != "delta":
             raise ReadersBenchError(f"step {step}: the receiver planned {report.action!r}, not one delta")
         emit(dict(reader=spec["reader"], step=step, phase="delta", polls=polls, seen_wall=seen_wall, start=t0,
-                  end=t1, seconds=t1 - t0, read_s=read_s, read_bytes=read_bytes, apply_s=t2 - t1,
+                  end=t1, seconds=t1 - t0, cpu_s=c1 - c0, read_s=read_s, read_bytes=read_bytes, apply_s=t2 - t1,
                   changes=report.changes_applied, action=report.action, digest=params_digest(engine)))
         _write_json_atomic(control / f"ack-{spec['reader']:03d}.json", dict(step=step))
 
@@ -578,6 +579,9 @@ def summarize_trial(trial: dict[str, Any], warmup_steps: int) -> dict[str, Any]:
         publish_overlap=_stats(overlap),
         train_s=_stats([writer[s]["train_s"] for s in measured]),
         prefetch_s=_stats([r["seconds"] for r in mine]),
+        prefetch_cpu_s=_stats([r.get("cpu_s") for r in mine]),
+        prefetch_cpu_share=_stats([r["cpu_s"] / r["seconds"] for r in mine if r.get("cpu_s") is not None
+                                   and r["seconds"] > 0]),
         read_s=_stats([r["read_s"] for r in mine]),
         decode_s=_stats(decode),
         apply_s=_stats([r["apply_s"] for r in mine]),
@@ -680,6 +684,7 @@ def readers_summary_lines(record: dict[str, Any]) -> list[dict[str, str]]:
             "N": str(t["readers"]),
             "read+decode ms min/med/max": "-" if not p else f"{p['min'] * 1e3:.1f} / {p['median'] * 1e3:.1f} / {p['max'] * 1e3:.1f}",
             "read ms": ms(t["read_s"]),
+            "cpu ms": ms(t.get("prefetch_cpu_s")),
             "x N=1": "-" if "prefetch_over_one_reader" not in t else f"{t['prefetch_over_one_reader']:.2f}",
             "agg GB/s": "-" if not t["aggregate_GBps"] else f"{t['aggregate_GBps']['median']:.3f}",
             "publish ms": ms(t["publish_s"]),
