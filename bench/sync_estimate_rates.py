@@ -1,4 +1,4 @@
-"""Host-side rates of the delta sync that the cost model needs and no other record measures (CPU).
+"""Host-side rates of the delta sync that the cost model needs and no other record measures (CPU or H200).
 
 What it measures, each with its own baseline in the same run:
 
@@ -17,9 +17,17 @@ What it measures, each with its own baseline in the same run:
   (``posix_fadvise(DONTNEED)``), then read again from the page cache, on the local disk and on
   /dev/shm.
 
+``--device cuda`` runs the same sections the way a GPU trainer and a GPU engine do: the weights and
+the engine on the GPU, torch's fused AdamW with the diff inside its update (``differ="auto"``), the
+GPU encoder, the receiver staging each delta on the device and applying it with the fused Triton
+kernel; the anchor is 1 GiB (8 tensors of 64 M bf16 elements) and a fresh GPU engine loads it. The
+tensor sweep goes to 16,384 tensors (a 30 B MoE checkpoint holds ~19,000, a 235 B one ~37,000). On
+one H200 with its host the whole run takes about 4-6 minutes.
+
 Usage::
 
     .venv/bin/python bench/sync_estimate_rates.py --out bench/results/sync_estimate_rates-cpu-<git>.json
+    .venv/bin/python bench/sync_estimate_rates.py --device cuda --out bench/results/sync_estimate_rates-h200-<git>.json
     .venv/bin/python bench/sync_estimate_rates.py --quick --out /tmp/rates.json
 """
 
@@ -53,11 +61,12 @@ from rltune.sync.sender import DeltaPublisher  # noqa: E402
 class FlatModel(nn.Module):
     """T independent bf16 parameters (what a checkpoint of T tensors looks like to the sync path)."""
 
-    def __init__(self, tensors: int, elements: int, seed: int = 0):
+    def __init__(self, tensors: int, elements: int, seed: int = 0, device: str = "cpu"):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.w = nn.ParameterList(
-            [nn.Parameter((torch.randn(elements, generator=g) * 0.02).to(torch.bfloat16)) for _ in range(tensors)])
+            [nn.Parameter((torch.randn(elements, generator=g) * 0.02).to(torch.bfloat16).to(device))
+             for _ in range(tensors)])
 
 
 class FlatEngine(nn.Module):
@@ -103,37 +112,66 @@ def framing() -> dict:
 
 
 def _train(model, opt, steps_done):
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(steps_done)
     for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(steps_done)).to(p.dtype)
+        p.grad = torch.randn(p.shape, generator=g, device=p.device).to(p.dtype)
 
 
-def overheads(counts: list[int], roots: dict[str, Path], steps: int, elements: int = 64) -> dict:
+def _optimizer(model, lr: float, device: str) -> torch.optim.Optimizer:
+    """torch's fused AdamW on a GPU (the publisher's kernels step its updates with the diff inside);
+    the per-tensor loop on the CPU, as before."""
+    if device == "cuda":
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=True)
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, foreach=False)
+
+
+def _publisher(model, opt, root, interval: int, chunk_elements: int, device: str) -> DeltaPublisher:
+    # the CPU path as recorded before (torch differ, host encoder); a GPU trainer's defaults on CUDA
+    differ = "auto" if device == "cuda" else "torch"
+    return DeltaPublisher(model, opt, root, interval=interval, differ=differ, chunk_elements=chunk_elements)
+
+
+def _receiver(root, engine, imap, device: str) -> DeltaReceiver:
+    # a GPU engine: changes staged on the device at prefetch, the fused Triton apply; the CPU: numba
+    return DeltaReceiver(root, engine, imap, fused=True, fused_backend="auto" if device == "cuda" else "numba")
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def overheads(counts: list[int], roots: dict[str, Path], steps: int, elements: int = 64, device: str = "cpu") -> dict:
     out = {}
     for where, base in roots.items():
         rows = []
         for t in counts:
             root = Path(tempfile.mkdtemp(dir=base, prefix="rates-"))
             try:
-                model = FlatModel(t, elements)
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, foreach=False)
-                pub = DeltaPublisher(model, opt, root, interval=1 << 30, differ="torch", chunk_elements=1 << 20)
+                model = FlatModel(t, elements, device=device)
+                opt = _optimizer(model, 1e-2, device)
+                pub = _publisher(model, opt, root, 1 << 30, 1 << 20, device)
                 m0 = pub.publish(0)
                 spec = {n: (x["shape"], x["dtype"]) for n, x in m0["tensors"].items()}
                 imap = IndexMap.record(lambda dt, t=t: FlatEngine(t, elements, dt), spec)
-                engine = FlatEngine(t, elements)
-                rx = DeltaReceiver(root, engine, imap, fused=True, fused_backend="numba")
+                engine = FlatEngine(t, elements).to(device)
+                rx = _receiver(root, engine, imap, device)
                 rx.load_latest()
                 pubs, pre, app, changes = [], [], [], []
                 for s in range(1, steps + 2):
                     _train(model, opt, s)
                     pub.step()
                     opt.zero_grad(set_to_none=True)
+                    _sync(device)
                     t0 = time.perf_counter()
                     m = pub.publish(s)
+                    _sync(device)
                     t1 = time.perf_counter()
                     assert rx.prefetch(s)
+                    _sync(device)
                     t2 = time.perf_counter()
                     rep = rx.apply(s)
+                    _sync(device)
                     t3 = time.perf_counter()
                     if s > 1:  # the first step compiles and warms caches
                         pubs.append(t1 - t0)
@@ -155,12 +193,12 @@ def overheads(counts: list[int], roots: dict[str, Path], steps: int, elements: i
     return out
 
 
-def anchor(base: Path, tensors: int, elements: int, repeats: int) -> dict:
+def anchor(base: Path, tensors: int, elements: int, repeats: int, device: str = "cpu") -> dict:
     root = Path(tempfile.mkdtemp(dir=base, prefix="rates-anchor-"))
     try:
-        model = FlatModel(tensors, elements)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0, foreach=False)
-        pub = DeltaPublisher(model, opt, root, interval=2, differ="torch", chunk_elements=1 << 24)
+        model = FlatModel(tensors, elements, device=device)
+        opt = _optimizer(model, 1e-6, device)
+        pub = _publisher(model, opt, root, 2, 1 << 24, device)
         m0 = pub.publish(0)
         nbytes = sum(f["bytes"] for f in m0["anchors"])
         spec = {n: (x["shape"], x["dtype"]) for n, x in m0["tensors"].items()}
@@ -170,8 +208,10 @@ def anchor(base: Path, tensors: int, elements: int, repeats: int) -> dict:
             _train(model, opt, s)
             pub.step()
             opt.zero_grad(set_to_none=True)
+            _sync(device)
             t0 = time.perf_counter()
             m = pub.publish(s)
+            _sync(device)
             dt = time.perf_counter() - t0
             (with_anchor if m["kind"] == "anchor" else delta_only).append(dt)
             if m["kind"] == "anchor":
@@ -185,10 +225,12 @@ def anchor(base: Path, tensors: int, elements: int, repeats: int) -> dict:
                     for e in header["entries"]:
                         got += len(fmt.read_anchor_range(path, start, e, 0, e["length"]))
                 reads.append(got / (time.perf_counter() - t0) / 1e9)
-                engine = FlatEngine(tensors, elements)
-                rx = DeltaReceiver(root, engine, imap, fused=True, fused_backend="numba")
+                engine = FlatEngine(tensors, elements).to(device)
+                rx = _receiver(root, engine, imap, device)
+                _sync(device)
                 t0 = time.perf_counter()
                 rep = rx.load_latest()
+                _sync(device)
                 loads.append(time.perf_counter() - t0)
                 assert rep.action == "reload" and rep.anchor == s
                 del engine, rx
@@ -236,34 +278,60 @@ def main() -> int:
     ap.add_argument("--disk-dir", type=Path, default=Path(__file__).resolve().parents[1] / "runs")
     ap.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"))
     ap.add_argument("--quick", action="store_true", help="small sizes, to check the script")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cpu: the host paths; cuda: weights, encoder and engine on the GPU (as on the H200)")
     ap.add_argument("--sections", default="framing,overheads,anchor,storage",
                     help="comma list of framing, overheads, anchor, storage")
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here")
     torch.set_num_threads(1)
     args.disk_dir.mkdir(parents=True, exist_ok=True)
     roots = {"shm": args.shm_dir, "disk": args.disk_dir}
-    counts = [16, 64, 256] if args.quick else [32, 128, 512, 2048, 4096]
+    gpu = args.device == "cuda"
+    if args.quick:
+        counts = [16, 64, 256]
+    else:
+        counts = [32, 128, 512, 2048, 8192, 16384] if gpu else [32, 128, 512, 2048, 4096]
+    anchor_elements = (1 << 18) if args.quick else ((1 << 26) if gpu else (1 << 24))
     load = [os.getloadavg()]
+    versions = dict(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__)
+    if gpu:
+        import triton
+
+        versions.update(triton=triton.__version__, cuda=torch.version.cuda)
     record = dict(benchmark="sync_estimate_rates", git_sha=git_sha(), time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                  device="cpu", cpus=os.cpu_count(), host=platform.node(),
-                  versions=dict(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__),
-                  quick=args.quick)
-    sections = set(args.sections.split(","))
+                  device=args.device, gpu=torch.cuda.get_device_name(0) if gpu else None, cpus=os.cpu_count(),
+                  host=platform.node(), versions=versions, quick=args.quick, counts=counts,
+                  anchor_elements=anchor_elements)
+    sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+    unknown = sorted(set(sections) - {"framing", "overheads", "anchor", "storage"})
+    if unknown:
+        ap.error(f"--sections: unknown {unknown}; choose from framing, overheads, anchor, storage")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(done: str) -> None:
+        """Written after every section, so that a run cut short still leaves what it measured."""
+        load.append(os.getloadavg())
+        record["load_average"] = [[round(x, 2) for x in v] for v in load]
+        record["sections_done"] = [*record.get("sections_done", []), done]
+        args.out.write_text(json.dumps(record, indent=2))
+        print(f"{done} done ({time.perf_counter() - started:.0f} s); wrote {args.out}", flush=True)
+
+    started = time.perf_counter()
     if "framing" in sections:
         record["framing"] = framing()
+        save("framing")
     if "overheads" in sections:
-        record["overheads"] = overheads(counts, roots, steps=3 if args.quick else 5)
-        load.append(os.getloadavg())
+        record["overheads"] = overheads(counts, roots, steps=3 if args.quick else 5, device=args.device)
+        save("overheads")
     if "anchor" in sections:
-        record["anchor"] = {w: anchor(b, 8, (1 << 18) if args.quick else (1 << 24), 2 if args.quick else 3)
+        record["anchor"] = {w: anchor(b, 8, anchor_elements, 2 if args.quick else 3, device=args.device)
                             for w, b in roots.items()}
-        load.append(os.getloadavg())
+        save("anchor")
     if "storage" in sections:
         record["storage"] = {w: storage(b, 64 if args.quick else 512, 2 if args.quick else 3) for w, b in roots.items()}
-        load.append(os.getloadavg())
-    record["load_average"] = [[round(x, 2) for x in v] for v in load]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2))
+        save("storage")
     print(json.dumps({k: record[k] for k in ("framing", "anchor", "storage") if k in record}, indent=1))
     for w, o in record.get("overheads", {}).items():
         print(w, json.dumps(o["fit"]))
