@@ -180,7 +180,7 @@ def _estimate(path: Path, json_out: bool) -> None:
     console = Console(stderr=True, width=max(Console(stderr=True).width, 130))
     spec = load_model_spec(path)
     result = estimate(spec, load_rates())
-    table = Table(title=f"sync-bench estimate {spec.name}: {spec.params_total / 1e9:.1f} B params ({spec.dtype}), "
+    table = Table(title=f"sync-bench estimate {spec.name}: {spec.params_total / 1e9:.1f} B params, "
                         f"{spec.changed_fraction.min * 100:.2g}-{spec.changed_fraction.max * 100:.2g} % changed per step",
                   caption="each output: low - high from the inputs' min/max (rates: rltune/sync/data/rates.yaml, "
                           "each with its record and git SHA)")
@@ -191,6 +191,9 @@ def _estimate(path: Path, json_out: bool) -> None:
         table.add_row(*line.values())
     console.print(table)
     for note in result["notes"]:
-        console.print(f"- {note}")
+        console.print(f"- {note}", highlight=False)
+    for c in result["checks"]:
+        if not c["within_2x"] and c["cause"]:
+            console.print(f"- {c['output']} ({c['dtype']}) misses by {c['ratio']:.2f}x: {c['cause']}", highlight=False)
     if json_out:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
