@@ -24,7 +24,7 @@ Example:
 Many readers (--readers N,...): N engine-reader processes prefetch and apply the same steps from one
 store directory (local disk, or a tmpfs with --storage shm) while a writer publishes; per-reader read
 + decode time, aggregate GB/s and the writer's publish time against N, every reader verified bit
-for bit. Presets: presets/sync/readers/<name>.yaml (ci, cpu); sync-readers.json goes under --out.
+for bit. Presets: presets/sync/readers/<name>.yaml (ci, cpu, cpu-overlap); sync-readers.json goes under --out.
 
   rltune sync-bench --readers 1,2,4 --preset ci --storage disk,shm
 
