@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-RATES_VERSION = 1
+RATES_VERSION = 1  # raise with every change of a value (the H200 host rates replacing the CPU stand-ins: 2)
 OUT = ROOT / "rltune" / "sync" / "data" / "rates.yaml"
 RESULTS = ROOT / "bench" / "results"
 # sync-bench records with the GPU encoder and the receiver staging on the device (git 50e783e onwards)
@@ -162,6 +162,9 @@ def build() -> dict:
     # --- host work per tensor and per entry, and the anchor path: the H200's own sweep when it exists
     h200 = [Path(f) for f in sorted(glob.glob(str(RESULTS / H200_RATES_GLOB)))]
     h200 = [f for f in h200 if load(f)["device"] == "cuda" and not load(f)["quick"]]
+    # a run cut short keeps the sections it finished: each family of rates takes the H200 where it was measured
+    h200_anchor = [f for f in h200 if "anchor" in load(f)]
+    h200 = [f for f in h200 if "overheads" in load(f)]
     if h200:
         fits = {k: [] for k in ("publish_s_per_tensor", "publish_s_per_call", "prefetch_s_per_tensor",
                                 "apply_s_per_tensor", "apply_s_per_call")}
@@ -229,9 +232,9 @@ def build() -> dict:
                                               "the update's host work per tensor (plan, checks, verify loop)", app_src)
 
     # --- anchors: write per trainer rank and a fresh engine worker's load
-    if h200:
+    if h200_anchor:
         w_vals, l_vals, a_src = [], [], []
-        for f in h200:
+        for f in h200_anchor:
             d = load(f)
             for w in d["anchor"]:
                 w_vals += [d["anchor"][w]["anchor_write_GBps"][k] for k in ("min", "max")]
