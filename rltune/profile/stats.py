@@ -70,8 +70,8 @@ def generation_cycle(rows: Sequence[Row]) -> int | None:
     otherwise), the most common distance between generating steps when some do not, None when the
     run generated once or never in its rows (a round longer than the run)."""
     generating = generating_steps(rows)
-    all_steps = sorted({int(r["step"]) for r in rows})
-    if generating is None or len(generating) == len(all_steps):
+    timed = {int(r["step"]) for r in rows if number(r.get("rollout_s")) is not None}  # a hole says nothing
+    if generating is None or len(generating) == len(timed):
         return 1
     if len(generating) < 2:
         return None
