@@ -25,7 +25,8 @@ class Trainer:
 
     def __init__(self, root, interval=3, optimizer="adamw", lr=1e-3, kv_heads=2, tie=False,
                  dtype=torch.bfloat16, wire_dtype=None, chunk_elements=1000, rank=0, world=1, run_id="run-a",
-                 dense_fraction=None, encoder="auto", differ="torch", change_capacity=0.1, fused=None):
+                 dense_fraction=None, encoder="auto", differ="torch", change_capacity=0.1, fused=None, incarnation=None,
+                 keep_anchors=2):
         self.model = tiny_qwen3(kv_heads, tie, dtype)
         if optimizer == "adamw":
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01, fused=fused)
@@ -33,7 +34,8 @@ class Trainer:
             self.opt = SignSGD(self.model.parameters(), lr=lr, weight_decay=0.01)
         self.pub = DeltaPublisher(self.model, self.opt, root, interval, rank=rank, world=world, run_id=run_id,
                                   chunk_elements=chunk_elements, wire_dtype=wire_dtype, dense_fraction=dense_fraction,
-                                  encoder=encoder, differ=differ, change_capacity=change_capacity)
+                                  encoder=encoder, differ=differ, change_capacity=change_capacity,
+                                  incarnation=incarnation, keep_anchors=keep_anchors)
         self.gen = torch.Generator().manual_seed(1)
 
     def train_step(self):

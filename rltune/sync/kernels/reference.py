@@ -174,13 +174,22 @@ def checksum2_ref(bits_N: torch.Tensor, offset: int = 0) -> int:
     return checksum2_pack(a, b)
 
 
+def checksum2_contributions_ref(idx_C: torch.Tensor, old_bits_C: torch.Tensor,
+                                new_bits_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each change's two lane contributions (int64, each < 2**32 and congruent mod P to
+    ``w(idx) * (u_new - u_old)``): summed over any set of changes (exact in int64 up to 2**31 of
+    them), then reduced mod P, they are that set's checksum2 change."""
+    d = _mod_p(unsigned(new_bits_C)) - _mod_p(unsigned(old_bits_C)) + P31  # in [1, 2P): w * d < 2**62
+    wa, wb = checksum2_weights_ref(idx_C.to(d.device))
+    return _fold(wa * d), _fold(wb * d)
+
+
 def checksum2_update_ref(idx_C: torch.Tensor, old_bits_C: torch.Tensor, new_bits_C: torch.Tensor) -> int:
     """Packed change of checksum2 when elements ``idx_C`` go from ``old_bits_C`` to ``new_bits_C``."""
     if idx_C.numel() == 0:
         return 0
-    d = _mod_p(unsigned(new_bits_C)) - _mod_p(unsigned(old_bits_C)) + P31  # in [1, 2P): w * d < 2**62
-    wa, wb = checksum2_weights_ref(idx_C.to(d.device))
-    return checksum2_pack(int(_fold(wa * d).sum()), int(_fold(wb * d).sum()))
+    lane_a, lane_b = checksum2_contributions_ref(idx_C, old_bits_C, new_bits_C)
+    return checksum2_pack(int(lane_a.sum()), int(lane_b.sum()))
 
 
 def checksum_update_ref(idx_C: torch.Tensor, old_bits_C: torch.Tensor, new_bits_C: torch.Tensor) -> int:
@@ -383,6 +392,7 @@ __all__ = [
     "MASK64",
     "P31",
     "checksum2_add",
+    "checksum2_contributions_ref",
     "checksum2_lanes",
     "checksum2_pack",
     "checksum2_ref",
