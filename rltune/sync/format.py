@@ -486,8 +486,9 @@ def check_cover(step_dir: Path, manifest: dict[str, Any], headers: list[tuple[Pa
         at = 0
         for start, stop, path in ranges:
             if start < at:
-                raise AnchorCoverError(f"{path}: step {manifest['step']}: {name}: entry [{start}, {stop}) overlaps "
-                                       f"another part's entry ending at {at}; the step is damaged")
+                cls = AnchorCoverError if kind == "anchor" else ManifestSchemaError
+                raise cls(f"{path}: step {manifest['step']}: {name}: entry [{start}, {stop}) overlaps another entry "
+                          f"ending at {at} (a change would be applied twice); the step is damaged")
             if kind == "anchor" and start != at:
                 break
             at = stop

@@ -484,7 +484,7 @@ class DeltaReceiver:
             except RltuneError as e:
                 first_error = first_error or e
                 if plan["action"] != "reload" or i == len(candidates) - 1:
-                    raise first_error  # the newest anchor's error: the one the trainer's side can fix
+                    raise first_error from None  # the newest anchor's error: what the trainer can fix
                 report.fallbacks.append(dict(anchor=anchor, error=type(e).__name__, message=str(e)))
                 continue
             report.anchor, report.deltas = anchor, list(deltas)

@@ -11,7 +11,6 @@ import pytest
 
 from rltune.sync import format as fmt
 
-
 A4, A3 = "a4" * 8, "a3" * 8  # attempt ids: 16 hex digits
 
 
@@ -45,7 +44,7 @@ def test_a_valid_manifest_round_trips_through_marker(tmp_path):
     (lambda m: m.update(format_version=1), fmt.FormatVersionError),
     (lambda m: m.update(base_attempt=None), fmt.ManifestSchemaError),    # a delta names its base's attempt
     (lambda m: m.update(attempt="not-hex"), fmt.ManifestSchemaError),
-    (lambda m: m["tensors"]["w"].update(checksum2=str((((1 << 31) - 1) << 32))), fmt.ManifestSchemaError),
+    (lambda m: m["tensors"]["w"].update(checksum2=str(((1 << 31) - 1) << 32)), fmt.ManifestSchemaError),
     (lambda m: m["tensors"]["w"].update(shape=[2, 0]), fmt.ManifestSchemaError),  # zero-size
     (lambda m: [t.update(shape=[]) for t in m["tensors"].values()], None),          # a scalar is fine
     (lambda m: m["parts"][0].update(file="rank-00001.delta"), fmt.ManifestSchemaError),  # names another rank

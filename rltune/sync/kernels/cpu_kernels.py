@@ -20,7 +20,6 @@ import numba
 import numpy as np
 import torch
 
-
 _P31 = (1 << 31) - 1
 
 

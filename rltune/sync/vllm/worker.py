@@ -245,7 +245,8 @@ class WorkerSync:
         if self.tp_rank == 0:
             try:
                 out = dict(value=fn())
-            except RltuneError as exc:
+            except Exception as exc:  # any failure reaches every worker, typed; none waits for a broadcast
+                exc = _typed(exc, "attaching")
                 out = dict(error=type(exc).__name__, message=str(exc))
         if self.group is not None:
             import torch.distributed as dist
@@ -263,8 +264,8 @@ class WorkerSync:
         result = None
         try:
             result = fn()
-        except Exception as exc:  # re-raised below, once every worker has said whether it failed
-            err = exc
+        except Exception as exc:  # re-raised below, typed, once every worker has said whether it failed
+            err = _typed(exc, "attaching")
         failed = err is not None
         if self.group is not None:
             import torch.distributed as dist
@@ -303,10 +304,12 @@ class WorkerSync:
         step, thread, result = self._prefetch
         thread.join(self.timeout_s)
         if thread.is_alive():
-            raise fmt.UpdateFailedError(f"reading step {step}'s delta did not finish within {self.timeout_s:.0f} s; "
-                                        "check the broadcast root's storage")
+            # the thread keeps its own copy of nothing the update uses: the update reads the step itself
+            self._prefetch = None
+            return dict(prefetched=False, prefetch_step=step, prefetch_error="prefetch did not finish in time")
         self._prefetch = None
-        return dict(result, prefetch_step=step)
+        error = self.receiver.last_prefetch_error
+        return dict(result, prefetch_step=step, prefetch_error=None if error is None else f"{type(error).__name__}: {error}")
 
     def update(self, step: int) -> dict[str, Any]:
         prefetch = self._join_prefetch()
@@ -319,19 +322,26 @@ class WorkerSync:
             torch.cuda.synchronize(self.device)
         out = _report(report, self.receiver)
         out.update(prefetched=bool(prefetch.get("prefetched")) and prefetch.get("prefetch_step") == step,
-                   prefetch_s=prefetch.get("prefetch_s"))
+                   prefetch_s=prefetch.get("prefetch_s"), prefetch_error=prefetch.get("prefetch_error"))
         return out
 
     def _verify_full(self, step: int) -> None:
-        """Recompute every share from the parameters (O(weights)) and check it, on top of the running check."""
+        """Recompute every share from the parameters (O(weights)) and check both checksums, on top of the
+        running check."""
         self.receiver.recompute_shares()
-        self.receiver._verify(step)
+        self.receiver.verify(step)
 
 def _report(report, receiver) -> dict[str, Any]:
     return dict(ok=True, action=report.action, step=report.step, anchor=report.anchor, deltas=list(report.deltas),
                 changes=report.changes_applied, seconds=report.seconds, phases=dict(report.phases),
-                anchor_loads=receiver.anchor_loads,
-                deltas_applied=receiver.deltas_applied)
+                anchor_loads=receiver.anchor_loads, deltas_applied=receiver.deltas_applied,
+                fallbacks=list(report.fallbacks), valid=receiver.valid, attempt=receiver.attempt)
+
+
+def _typed(exc: BaseException, what: str) -> RltuneError:
+    if isinstance(exc, RltuneError):
+        return exc
+    return fmt.InternalSyncError(f"{what}: {type(exc).__name__}: {exc}")
 
 
 def _error_class(name: str) -> type[RltuneError]:
@@ -344,12 +354,18 @@ def _error_class(name: str) -> type[RltuneError]:
 
 
 def _call(fn, request: str) -> dict[str, Any]:
-    args = json.loads(request) if request else {}
+    try:
+        args = json.loads(request) if request else {}
+    except (TypeError, ValueError):
+        args = None
     if not isinstance(args, dict):
-        return dict(ok=False, error="VllmSyncError", message=f"request must be a JSON object, got {request[:80]!r}")
+        return dict(ok=False, error="VllmSyncError", message=f"request must be a JSON object, got {str(request)[:80]!r}")
     try:
         return fn(**args)
-    except RltuneError as exc:
+    except TypeError as exc:  # a request whose fields the call does not take
+        return dict(ok=False, error="VllmSyncError", message=f"request {str(request)[:80]!r}: {exc}")
+    except Exception as exc:  # every failure comes back as a typed result, never as an engine crash
+        exc = _typed(exc, "the worker call")
         return dict(ok=False, error=type(exc).__name__, message=str(exc))
 
 
