@@ -353,6 +353,12 @@ def _error_class(name: str) -> type[RltuneError]:
 # --------------------------------------------------------------------------------------------- the extension
 
 
+def _step(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str) or not str(value).isdigit():
+        raise VllmSyncError(f"step must be a non-negative integer, got {str(value)[:40]!r}")
+    return int(value)
+
+
 def _call(fn, request: str) -> dict[str, Any]:
     try:
         args = json.loads(request) if request else {}
@@ -395,13 +401,13 @@ class RltuneWorkerExtension:
 
     def rltune_prepare(self, request: str = "") -> dict[str, Any]:
         """``{"step": S}``: start reading and decoding step S's changes; returns at once."""
-        return _call(lambda step: dict(ok=True, **self._rltune_sync().prepare(int(step))), request)
+        return _call(lambda step: dict(ok=True, **self._rltune_sync().prepare(_step(step))), request)
 
     def rltune_update(self, request: str = "") -> dict[str, Any]:
         """``{"step": S}``: bring the weights to step S in place (or reload + replay) and verify them."""
         def update(step: int) -> dict[str, Any]:
             start = time.perf_counter()
-            out = self._rltune_sync().update(int(step))
+            out = self._rltune_sync().update(_step(step))
             out["worker_s"] = time.perf_counter() - start
             return out
         return _call(update, request)
