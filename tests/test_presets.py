@@ -17,17 +17,21 @@ WORKLOAD_CONFIGS = sorted((PRESETS / "workload").glob("*.yaml"))
 SYNC_BENCH = sorted((PRESETS / "sync").glob("*.yaml"))
 JOBS = sorted(PRESETS.glob("*.yaml")) + sorted((PRESETS / "tuned").glob("*.yaml"))
 JOBS = [p for p in JOBS if p.name != "knowledge.yaml"]
+# Jobs of the reference workload (rltune dialect); the framework jobs (TRL, verl, prime-rl) are checked
+# against their frameworks' own configs in tests/test_framework_presets.py.
+REFERENCE_JOBS = [p for p in JOBS if load_job(p).launch.dialect == "rltune"]
 # The reference workload's abstract knobs (the names knowledge.yaml and the case library use).
 REFERENCE_KNOBS = {"rl_mode", "max_sample_age", "micro_batch_size", "packing", "grad_checkpointing",
                    "reuse_rollout_logprobs", "engine_max_concurrency", "engine_batching", "num_engines",
                    "engine_compile", "sandbox_pool_size", "prebuilt_image", "sync_transport"}
 GPU_SPLIT_KNOBS = {"trainer_gpus", "rollout_gpus"}  # placement.*: only jobs of several GPUs map them
+SEED_KNOBS = {"seed", "task_seed"}  # what 'rltune reward-check' sets (sampling) and holds (task order)
 
 
 def test_every_preset_file_has_a_loader():
     known = set(WORKLOAD_CONFIGS) | set(JOBS) | set(SYNC_BENCH) | {PRESETS / "knowledge.yaml"}
     assert [p for p in ALL if p not in known] == []
-    assert len(JOBS) >= 3 and len(WORKLOAD_CONFIGS) >= 2
+    assert len(REFERENCE_JOBS) >= 3 and len(WORKLOAD_CONFIGS) >= 2
 
 
 @pytest.mark.parametrize("path", SYNC_BENCH, ids=lambda p: p.name)
@@ -49,6 +53,12 @@ def _workload_config_of(job, path):
 
 
 @pytest.mark.parametrize("path", JOBS, ids=lambda p: p.name)
+def test_job_preset_loads(path):
+    job = load_job(path)
+    assert job.launch.knob_map and set(job.launch.knob_map) <= set(job.knobs)
+
+
+@pytest.mark.parametrize("path", REFERENCE_JOBS, ids=lambda p: p.name)
 def test_job_preset_loads_and_its_knobs_are_the_workload_config_values(path):
     job = load_job(path)
     config_path = _workload_config_of(job, path)
@@ -60,7 +70,7 @@ def test_job_preset_loads_and_its_knobs_are_the_workload_config_values(path):
             node = getattr(node, part)
         # A run without overrides must be the job's baseline, or cases would record wrong knobs.
         assert node == job.knobs[knob], f"{path}: knob {knob}={job.knobs[knob]!r} but {config_path.name} {key}={node!r}"
-    assert set(job.knobs) <= REFERENCE_KNOBS | GPU_SPLIT_KNOBS
+    assert set(job.knobs) <= REFERENCE_KNOBS | GPU_SPLIT_KNOBS | SEED_KNOBS
     assert not (set(job.knobs) & GPU_SPLIT_KNOBS) or job.gpus.count >= 2
     assert job.launch.steps_override == "orchestrator.steps"
 
@@ -80,6 +90,16 @@ def test_knowledge_base_loads_with_enough_fixes_and_maps_reference_knobs():
     assert {f.id for f in split} >= {"gpus_to_training", "gpus_to_rollout"}
     assert all(set(f.overrides) <= set(split_job.launch.knob_map) for f in split)
     assert all(f.source and f.moves for f in knowledge.fixes)
+
+
+@pytest.mark.parametrize("learn, tuned_from", [("cpu-math-learn.yaml", "cpu-demo.yaml"),
+                                               ("h200-tiny-math-learn.yaml", "h200-tiny-math.yaml")])
+def test_a_learning_job_has_the_knobs_of_the_job_whose_tuned_presets_it_checks(learn, tuned_from):
+    # 'rltune reward-check TUNED --against LEARN' runs TUNED's changed knobs on LEARN: same names, same baseline.
+    job, demo = load_job(PRESETS / learn), load_job(PRESETS / tuned_from)
+    assert {k: v for k, v in job.knobs.items() if k not in SEED_KNOBS} == demo.knobs
+    assert {k: v for k, v in job.launch.knob_map.items() if k not in SEED_KNOBS} == demo.launch.knob_map
+    assert job.launch.knob_map["seed"] == "orchestrator.seed" and job.launch.knob_map["task_seed"] == "env.seed"
 
 
 def test_every_launcher_has_a_job_preset_and_new_presets_are_found_by_the_glob():

@@ -37,17 +37,26 @@ def register(app: typer.Typer) -> None:
         tuned_dir: Path = typer.Option(Path("presets/tuned"), "--tuned-dir", help="where the tuned preset is written"),
         allow_needs: bool = typer.Option(False, "--allow-needs", help="also try fixes that need hardware beyond the budget"),
         parallel: int = typer.Option(1, "--parallel", min=1, help="run up to this many trials of a round at once (each its own run or allocation)"),
+        reward_check: int = typer.Option(None, "--reward-check", help="then run 'rltune reward-check' of the tuned preset for this many steps (exit 3 if it fails)"),
+        reward_against: Path = typer.Option(None, "--reward-against", help="untuned job the reward check runs on (default JOB; it needs seed and task_seed knobs)"),
         live: bool = typer.Option(True, "--live/--no-live", help="live view on stderr"),
         as_json: bool = typer.Option(False, "--json", help="print a machine-readable summary on stdout"),
     ) -> None:
         import json
 
+        from rltune.contracts.job import load_job
         from rltune.tune.auto import AutoLoop
 
+        plan = None
+        if reward_check is not None:  # checked before the loop: bad input must not wait for the tuning to end
+            from rltune.tune.reward_check import plan_reward_check
+
+            plan = plan_reward_check(reward_against or job, reward_check)
+            plan.require_mapped(load_job(job).launch.knob_map, f"{job} (a knob the tuner may move)")
         view = _LiveView(live, trials)
         loop = AutoLoop(job, workdir, rounds=rounds, trial_budget=trials, max_trials_per_round=per_round, steps=steps,
                         library=library, knowledge=knowledge, tuned_dir=tuned_dir, allow_needs=allow_needs,
-                        parallel=parallel, on_event=view.update)
+                        parallel=parallel, on_event=view.update, reward_check=plan)
         view.workdir = loop.workdir
         with view:
             result = loop.run()
@@ -59,6 +68,14 @@ def register(app: typer.Typer) -> None:
                               "best_knobs": result.best_knobs}))
         else:
             typer.echo(f"report: {result.report}")
+        if plan is not None:
+            from rltune.tune.reward_check import exit_code_of, last_reward_check
+
+            checked = last_reward_check(loop.journal.events())
+            view.console.print(f"reward check: {checked['decision']} - {checked['reason']}" if checked else
+                               "reward check: not run (no change was kept)", markup=False, highlight=False)
+            if checked and exit_code_of(checked["decision"]):
+                raise typer.Exit(exit_code_of(checked["decision"]))
 
 
 class _LiveView:
@@ -137,7 +154,7 @@ class _LiveView:
         if kind == "trial":
             step = "n/a" if event["step_s"] is None else f"{event['step_s']:.3g} s"
             return f"trial {event['run_id']}: {event['decision']} ({step}) - {event['reason']}"
-        if kind in ("round_end", "finish", "run_abandoned", "resume"):
+        if kind in ("round_end", "finish", "run_abandoned", "resume", "reward_check"):
             return f"{kind}: " + ", ".join(f"{k}={v}" for k, v in event.items()
                                            if k not in ("event", "time", "best_knobs", "savings"))
         return ""

@@ -19,7 +19,7 @@ import typer
 
 from rltune.errors import RltuneError
 
-COMMANDS = ("profile", "propose", "predict", "trial", "auto", "report", "eval", "sync_bench", "workload")
+COMMANDS = ("profile", "propose", "predict", "trial", "auto", "report", "reward_check", "eval", "sync_bench", "workload")
 
 app = typer.Typer(
     name="rltune",

@@ -23,6 +23,7 @@ TABLES = {
     "forecast": ("rltune.contracts.forecast", "Forecast"),
     "cases": ("rltune.contracts.cases", "describe_columns"),
     "verdict": ("rltune.contracts.verdict", "Verdict"),
+    "reward_check": ("rltune.contracts.reward_check", "RewardCheck"),
     "stage_map": ("rltune.profile.stage_map", "describe_stage_map"),
 }
 

@@ -281,7 +281,7 @@ _LEARNED_CACHE: dict[str, tuple[TheoryModel, KnobEffects]] = {}
 _FIT_CACHE = _LEARNED_CACHE  # older name, still cleared by callers that want a cold start
 MODEL_CACHE_NAME = "_model.json"
 THEORY_CACHE_NAME = MODEL_CACHE_NAME
-MODEL_CACHE_FORMAT = 7  # bump when the fit or the effects change meaning: old caches are then refit
+MODEL_CACHE_FORMAT = 8  # bump when the fit or the effects change meaning: old caches are then refit
 
 
 def _learned_key(model: TheoryModel, cases: Sequence[CaseRecord], fit: bool) -> str:
@@ -422,13 +422,7 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool,
                 current = moved
                 continue
             seen = p.has_seen(target.device, name, b)
-            # A value no case ran left the coefficients that price it unidentified: the fit may have bent
-            # them to explain other runs (a micro-batch cost constant over the library trades freely with
-            # a fixed cost), so the change is priced by the physical priors instead.
-            ratio = p.theory_ratio(moved, current) if seen else p.prior_ratio(moved, current)
-            before = combine(moved.rl_mode, *(stages[s] for s in STAGES))[0]
-            stages = {s: stages[s] * ratio[s] for s in STAGES}
-            after = combine(moved.rl_mode, *(stages[s] for s in STAGES))[0]
+            stages, before, after = _theory_move(p, moved, current, stages, seen, moved.rl_mode)
             step = step * (after / before if before > 0 else 1.0)
             # The doubt is in proportion to how far theory moves the step (a stage too small to matter may
             # move a lot); more where no case ever ran the new value, so its coefficients are only priors.
@@ -454,11 +448,7 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool,
                 continue
             # The theory moves the stages the mode changes: the fitted overlap slowdowns, and in fully
             # async mode the rollout that runs ahead (several batches generated at once).
-            seen = p.has_seen(target.device, name, b)
-            ratio = p.theory_ratio(moved, current) if seen else p.prior_ratio(moved, current)
-            before = combine(str(a), *(stages[s] for s in STAGES))[0]
-            stages = {s: stages[s] * ratio[s] for s in STAGES}
-            after = combine(str(b), *(stages[s] for s in STAGES))[0]
+            stages, before, after = _theory_move(p, moved, current, stages, p.has_seen(target.device, name, b), str(a))
             step = step * (after / before if before > 0 else 1.0)
             # The rule assumes rollout and training overlap on separate devices; on a CPU-only job they
             # share the same cores, so how much they overlap is unknown until a pair measures it.
@@ -471,6 +461,20 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool,
         var += (0.1 * weight) ** 2
     stages = {s: max(v, 0.0) for s, v in stages.items()}
     return stages, max(step, 0.0), var, uncertain, load, len(diffs)
+
+
+def _theory_move(p: Prepared, moved: Setup, current: Setup, stages: dict[str, float], seen: bool,
+                 mode_before: str) -> tuple[dict[str, float], float, float]:
+    """Stages scaled by theory(moved) / theory(current); (stages, step before, step after) by the RL-mode rule.
+
+    A value no case ran (``seen`` false) left the coefficients that price it unidentified: the fit
+    may have bent them to explain other runs (a micro-batch cost constant over the library trades
+    freely with a fixed cost), so the change is priced by the physical priors instead.
+    """
+    ratio = p.theory_ratio(moved, current) if seen else p.prior_ratio(moved, current)
+    before = combine(mode_before, *(stages[s] for s in STAGES))[0]
+    stages = {s: stages[s] * ratio[s] for s in STAGES}
+    return stages, before, combine(moved.rl_mode, *(stages[s] for s in STAGES))[0]
 
 
 def _anchor(p: Prepared, target: Setup, distances: np.ndarray) -> _Estimate | None:

@@ -13,7 +13,9 @@ arrays, so fitting on 1,000 cases and forecasting 100 candidates stay fast). The
   waits for whole waves, continuous batching refills slots; each decode step reads the weights
   (fp8 halves the bytes) and computes on the active batch; ``engine_compile`` scales the per-step
   overhead; in fully async mode rollout runs ahead (up to the sample-age cap, as many batches as the
-  engines' slots hold) and one batch costs a share of that joint time (a fitted efficiency); sandboxes add setup (cheaper with a prebuilt image) and execution per trial, divided
+  engines' slots hold) and one batch costs a share of that joint time (a fitted efficiency); a generation
+  round that feeds several optimizer steps (a generation batch of several steps' samples, a batch
+  trained on more than once) costs each step its share; sandboxes add setup (cheaper with a prebuilt image) and execution per trial, divided
   over the sandboxes that really run at once -- the pool, capped by the host cores that run them;
 - weight sync: a fixed cost plus bytes / bandwidth per transport (``sparse_delta`` ships only the
   changed fraction);
@@ -188,9 +190,13 @@ def concurrency_per_engine(f: Features) -> np.ndarray:
     return f.derived("concurrency_per_engine", compute)
 
 
-def decode_steps(f: Features, fill: float | np.ndarray) -> np.ndarray:
-    """Decode iterations of the busiest engine: whole waves (static) or refilled slots (continuous)."""
-    per_engine = samples(f) / engines(f)
+def decode_steps(f: Features, fill: float | np.ndarray, rounds: float | np.ndarray = 1.0) -> np.ndarray:
+    """Decode iterations of the busiest engine: whole waves (static) or refilled slots (continuous).
+
+    ``rounds``: batches' worth of samples generated together (a generation batch of several
+    optimizer steps' samples).
+    """
+    per_engine = samples(f) * rounds / engines(f)
     waves = per_engine / concurrency_per_engine(f)
     static = f.equals("engine_batching", "static", "continuous")
     continuous_waves = np.maximum(1.0, waves * fill)
@@ -210,7 +216,9 @@ def _exec_per_trial(f: Features, c: dict[str, float]) -> np.ndarray:
 # Measured counts a theory quantity predicts directly: the fit matches them where a case has them, which pins
 # coefficients the times alone cannot (how much continuous batching refills freed slots).
 COUNT_COLUMNS: dict[str, Callable[[Features, dict[str, float]], np.ndarray]] = {
-    "engine_decode_steps": lambda f, c: decode_steps(f, c["continuous_fill"]) * engines(f),  # forward steps of all engines per step
+    # forward steps of all engines per optimizer step (a generation round's, shared by the steps it feeds)
+    "engine_decode_steps": lambda f, c: decode_steps(f, c["continuous_fill"], generation_rounds(f)) * engines(f)
+    / generation_cadence(f),
     "sandbox_setup_s": _setup_per_trial,  # mean image set-up of a trial
     "sandbox_exec_s": _exec_per_trial,  # mean run time of a trial's commands
 }
@@ -316,6 +324,17 @@ def run_ahead(f: Features) -> np.ndarray:
     return f.derived("run_ahead", compute)
 
 
+def generation_rounds(f: Features) -> np.ndarray:
+    """Optimizer steps' samples one generation round makes (``generation_batch_size`` / samples per step, at least 1)."""
+    return f.derived("generation_rounds", lambda f: np.maximum(f.num("generation_batch_size", 0.0) / samples(f), 1.0))
+
+
+def generation_cadence(f: Features) -> np.ndarray:
+    """Optimizer steps one generation round feeds: its steps' worth of samples times the steps trained on
+    each batch (``batch_reuse``). Rollout happens once per that many steps; a step carries that share."""
+    return generation_rounds(f) * np.maximum(f.num("batch_reuse", 1.0), 1.0)
+
+
 def _decode(f: Features, c: dict[str, float]) -> np.ndarray:
     """Decode time per batch; with rollout running ahead, ``run_ahead`` batches share each decode step,
     so one batch costs their joint time over their number -- to the power of a fitted efficiency,
@@ -323,9 +342,11 @@ def _decode(f: Features, c: dict[str, float]) -> np.ndarray:
     ahead = run_ahead(f)
     overhead = c["s_per_decode_step"] * (1.0 - (1.0 - c["compile_factor"]) * f.flag("engine_compile", False))
     weights = c["s_per_weight_byte"] * weight_bytes(f) / engine_tp(f)
-    batch = np.minimum(concurrency_per_engine(f), ahead * samples(f) / engines(f))
+    rounds = generation_rounds(f)
+    batch = np.minimum(concurrency_per_engine(f), ahead * rounds * samples(f) / engines(f))
     compute = c["s_per_decode_flop"] * 2.0 * f.num("active_params", 1e9) * batch / engine_tp(f)
-    return decode_steps(f, c["continuous_fill"]) * (overhead + weights + compute) / ahead ** c["run_ahead_efficiency"]
+    per_round = decode_steps(f, c["continuous_fill"], rounds) * (overhead + weights + compute) / ahead ** c["run_ahead_efficiency"]
+    return per_round / generation_cadence(f)
 
 
 def sandbox_parallelism(f: Features, cores_per_host: float) -> np.ndarray:
@@ -376,7 +397,7 @@ register_term("training", "fixed", (), {"training_fixed_s": (0.02, 1.0)}, lambda
 register_term("rollout", "decode", ("batch", "answer_cap_tokens", "context_limit_tokens", "engine_max_concurrency", "num_engines",
                                     "engine_batching", "engine_compile", "engine_tp", "kv_cache_dtype", "weight_dtype", "total_params",
                                     "active_params", "workload", "device", "sandbox_pool_size", "sandbox_hosts",
-                                    "max_sample_age"),
+                                    "max_sample_age", "generation_batch_size", "batch_reuse"),
               # CPU: small-batch decode in eager kernels runs at a few GFLOP/s, an order of magnitude below the dense
               # matmuls of training, so each sequence in the batch adds a real share to a decode step
               {"s_per_decode_step": (2e-3, 0.01), "compile_factor": (0.7, 0.7), "s_per_weight_byte": (1e-10, 2.5e-13),

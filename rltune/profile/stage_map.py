@@ -15,6 +15,11 @@ Choices that need a reason:
   trainer, so diagnosis counts it in the training stage (training_s + old_logprob_s).
 - verl's oldest generation has no step timer: its step is the sum of its ``timing/*`` phases,
   which run one after another in that trainer (the report marks the column as derived).
+- TRL: the ``rltune/`` names come from :class:`rltune.integrations.trl.TrlStageTimers` (per optimizer
+  step, derived from TRL's own profiling timers); TRL's ``step_time`` covers only the micro-steps'
+  ``training_step`` calls, and its ``compute_loss`` timer only the forward pass, so neither is
+  a training time. The gap is TRL's ``sampling/sampling_logp_difference/mean`` (mean |trainer -
+  vLLM log-prob| over completion tokens), logged only when vLLM generates.
 - prime-rl's orchestrator step is rollout-bound: its console ``Time`` is the step, and the
   ``Generating rollouts`` bar's elapsed time is the rollout.
 - current verl times the weight hand-over after the update (``timing_s/update_weights``; the
@@ -94,12 +99,20 @@ STAGE_MAP: dict[str, dict[str, tuple[str, ...]]] = {
         "reward": ("reward",),
     },
     "trl": {
-        "step_s": ("step_time",),
-        "rollout_s": ("profiling/Time taken: GRPOTrainer._generate_and_score_completions",
-                      "profiling/Time taken: GRPOTrainer.vLLM.generate",
-                      "profiling/Time taken: GRPOTrainer.transformers.generate"),
-        "weight_sync_s": ("profiling/Time taken: GRPOTrainer._move_model_to_vllm",),
-        "training_s": ("profiling/Time taken: GRPOTrainer.training_step", "profiling/Time taken: GRPOTrainer.compute_loss"),
+        "step_s": ("rltune/step_s", "step_time"),
+        "rollout_s": ("rltune/rollout_s", "profiling/Time taken: GRPOTrainer._generate_and_score_completions",
+                      "profiling/Time taken: GRPOTrainer.vLLM.generate + profiling/Time taken: GRPOTrainer._calculate_rewards",
+                      "profiling/Time taken: GRPOTrainer.transformers.generate"
+                      " + profiling/Time taken: GRPOTrainer._calculate_rewards",
+                      "profiling/Time taken: GRPOTrainer.transformers.generate_batch"
+                      " + profiling/Time taken: GRPOTrainer._calculate_rewards"),
+        "weight_sync_s": ("rltune/weight_sync_s", "profiling/Time taken: GRPOTrainer.sync_weights",
+                          "profiling/Time taken: GRPOTrainer._move_model_to_vllm"),
+        "training_s": ("rltune/training_s",),
+        "old_logprob_s": ("rltune/old_logprob_s",),
+        "gap": ("sampling/sampling_logp_difference/mean",),
+        "sample_age_mean": ("rltune/sample_age_mean",),
+        "sample_age_max": ("rltune/sample_age_max",),
         "reward": ("reward",),
     },
     "nemo-rl": {

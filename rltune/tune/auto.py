@@ -95,7 +95,7 @@ class AutoLoop:
                  max_trials_per_round: int = 3, steps: int | None = None, library: str | Path | None = None,
                  knowledge: str | Path | None = None, tuned_dir: str | Path = "presets/tuned",
                  allow_needs: bool = False, parallel: int = 1, on_event: Callable[[Event], None] | None = None,
-                 on_output: Callable[[str], None] | None = None):
+                 on_output: Callable[[str], None] | None = None, reward_check: Any = None):
         self.job_path = Path(job_path).resolve()
         self.job: JobSpec = load_job(self.job_path)
         self.workdir = Path(workdir).resolve()
@@ -114,6 +114,8 @@ class AutoLoop:
         self.on_event = on_event or (lambda event: None)
         self.on_output = on_output
         self.journal = Journal(self.workdir / "journal.jsonl")
+        # A rltune.tune.reward_check.RewardCheckPlan: check the tuned preset's reward before finishing.
+        self.reward_check = reward_check
 
     # -- journal --------------------------------------------------------------------------------
     def _emit(self, kind: str, **fields: Any) -> Event:
@@ -476,6 +478,12 @@ class AutoLoop:
                       "step": "mean over the measured steps", "noise_pct": baseline_event.get("noise_pct"),
                       "trials": len(trials), "best_run": best.run_id, "journal": str(self.journal.path)}
         preset = write_tuned_preset(self.job, self.job_path, best.knobs, self.tuned_dir, provenance)
+        if self.reward_check is not None and best.run_id != untuned.run_id:
+            # Before 'finish', so a kill during the long runs resumes into the check (its finished runs reused).
+            from rltune.tune.reward_check import check_after_tuning
+
+            check_after_tuning(self.reward_check, preset, self.workdir, events, untuned.knobs, best.knobs,
+                               emit=self._emit, note=self._note, rel=self._rel, on_output=self.on_output)
         finish = self._emit("finish", reason=reason, untuned_run=untuned.run_id, untuned_step_s=untuned.step_s,
                             best_run=best.run_id, best_step_s=best.step_s, best_knobs=best.knobs, trials=len(trials),
                             savings=shares_by_group(kept), tuned_preset=str(preset.resolve()))

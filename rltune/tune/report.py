@@ -71,7 +71,9 @@ def _from_events(events: list[dict[str, Any]]) -> dict[str, Any]:
     baselines = [e for e in events if e["event"] == "baseline"]
     trials = [e for e in events if e["event"] == "trial"]
     finish = next((e for e in reversed(events) if e["event"] == "finish"), None)
-    return _assemble(start, baselines, trials, finish)
+    data = _assemble(start, baselines, trials, finish)
+    data["reward_check"] = next((e for e in reversed(events) if e["event"] == "reward_check"), None)
+    return data
 
 
 def _assemble(start: dict, baselines: list[dict], trials: list[dict], finish: dict | None) -> dict[str, Any]:
@@ -206,6 +208,68 @@ def _plots(data: dict[str, Any], devices: int) -> list[tuple[str, str, str]]:
     return out
 
 
+def _reward_section(workdir: Path, event: dict[str, Any]) -> list[str]:
+    """The reward check of the tuned preset: both curves with the untuned seeds' band, and the verdict."""
+    from rltune.tune.reward_check import curves_of, moving_average, seed_band
+
+    path = Path(event["verdict"])
+    path = path if path.is_absolute() else workdir / path
+    parts = ["<h2>Reward check</h2>"]
+    if not path.exists():
+        return parts + [f"<p>{html.escape(event['decision'])}: {html.escape(event['reason'])} ({html.escape(str(path))} "
+                        "is missing, so no curves)</p>"]
+    check, curves = curves_of(path)
+    parts.append(f"<p><b>{html.escape(check.decision.upper())}</b>: {html.escape(check.reason)}</p>")
+    w = check.window
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    untuned = [r for r in check.runs if r.role == "untuned" and r.run_id in curves]
+    if check.band is not None and len(untuned) >= 2:
+        band = seed_band([curves[r.run_id] for r in untuned], w, check.band.z)
+        xs = list(range(band.first_step, band.first_step + len(band.centre)))
+        ax.fill_between(xs, [c - band.half_width for c in band.centre], [c + band.half_width for c in band.centre],
+                        color="#34495e", alpha=0.15, label=f"untuned band (+-{band.half_width:.3g})")
+    styles = {"untuned": ("#7f8c8d", "-", 1.0), "tuned": ("#2a9d3f" if check.passed else "#c0392b", "-", 2.0),
+              "reverted": ("#c98a0b", "--", 1.2)}
+    for run in check.runs:
+        if run.run_id not in curves:
+            continue
+        color, line, width = styles[run.role]
+        ma = moving_average(curves[run.run_id], w)
+        ax.scatter(range(len(curves[run.run_id])), curves[run.run_id], s=3, color=color, alpha=0.25)
+        ax.plot(range(w - 1, w - 1 + len(ma)), ma, line, color=color, linewidth=width, label=f"{run.run_id} ({run.role})")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"reward ({w}-step moving average; dots: steps)")
+    ax.set_title("Reward: tuned against the untuned seeds' band")
+    ax.legend(fontsize=7, loc="lower right")
+    parts.append(_img(_png(fig), "reward curves"))
+    rows = [[r.run_id, r.role, r.seed, r.first_window_mean, r.final_window_mean, r.max_deviation, r.gap_mean,
+             r.sample_age_mean, r.status] for r in check.runs]
+    parts.append(_table(["run", "role", "seed", "first window", "final window", "max |deviation|", "gap",
+                         "sample age", "status"], rows))
+    if check.band is not None:
+        b = check.band
+        parts.append(_table(["", ""], [["rule", check.rule], ["half-width", b.half_width], ["sd used", b.sd],
+                                       ["seed sd", b.seed_sd], ["step-noise sd", b.step_noise_sd],
+                                       ["untuned rise", f"{b.centre_first:.4g} -> {b.centre_final:.4g}"],
+                                       ["rise in half-widths", b.rise_in_bands]]))
+    if check.attribution:
+        parts.append("<p>The tuned setup re-run with each kept change undone:</p>")
+        parts.append(_table(["change undone", "knobs set back", "run", "passes", "max |deviation|", "final window"],
+                            [[a.change, ", ".join(f"{k}={v}" for k, v in a.reverted.items()), a.run_id,
+                              "n/a" if a.passed is None else "yes" if a.passed else "no", a.max_deviation,
+                              a.final_delta] for a in check.attribution]))
+        blamed = ", ".join(check.blamed) or "no single change (undoing any one alone does not pass)"
+        parts.append(f"<p>To blame: {html.escape(blamed)}</p>")
+    for note in check.notes:
+        parts.append(f"<p>Note: {html.escape(note)}</p>")
+    return parts
+
+
 def _range(value: list[float] | None) -> str:
     return f"{value[0]:.4g}-{value[1]:.4g}" if value else ""
 
@@ -240,6 +304,9 @@ def build_report(workdir: str | Path, out: str | Path | None = None) -> Path:
 
     for title, _key, png in _plots(data, devices):
         parts.append(f"<h2>{html.escape(title)}</h2>{_img(png, title)}")
+
+    if data.get("reward_check"):
+        parts += _reward_section(workdir, data["reward_check"])
 
     parts.append("<h2>Savings by technique</h2>")
     if shares:

@@ -56,7 +56,10 @@ class EnvConfig:
     sandbox_cpu_s: int = field(2, doc="tool use: RLIMIT_CPU of one sandbox command, seconds", min=1)
     sandbox_memory_mb: int = field(512, doc="tool use: RLIMIT_AS of one sandbox command, MiB", min=64)
     sandbox_wall_s: float = field(5.0, doc="tool use: wall-clock limit of one sandbox command; its process group is killed past it", min=0.05)
-    seed: int = field(0, doc="seed of the task generator")
+    seed: int = field(0, doc="seed of the task generator: which tasks come, and in which order (runs of the same seed see the same task sequence)")
+    max_operand: int = field(99, doc="math: operands are drawn from 0..max_operand (9: one-digit tasks a random model learns)", min=1)
+    max_terms: int = field(3, doc="math: a task has 2..max_terms operands", min=2, max=6)
+    operators: str = field("+-*", doc="math: the operators a task may use, any of '+-*'")
 
 
 @dataclass
@@ -70,6 +73,7 @@ class TrainerConfig:
     reuse_rollout_logprobs: bool = field(False, doc="use the engine's logprobs as old logprobs instead of a separate trainer pass")
     clip_eps: float = field(0.2, doc="PPO/GRPO ratio clip epsilon", min=0)
     normalize_adv_std: bool = field(True, doc="divide group-relative advantages by the group's std")
+    advantage_sign: int = field(1, doc="diagnostic only, never for training: -1 flips every advantage so the policy un-learns (the broken setup the reward check's tests must fail)", min=-1, max=1)
     max_grad_norm: float = field(1.0, doc="gradient-norm clip (0: none)", min=0)
     launcher: Literal["inprocess", "torchrun"] = field("inprocess", doc="inprocess: world size 1 in the CLI process; torchrun: 'python -m rltune.workload.trainer' under torchrun")
     world_size: int = field(1, doc="trainer processes (torchrun only); DDP over gloo (CPU) or nccl (GPU)", min=1)
@@ -134,6 +138,10 @@ class WorkloadConfig:
             raise FieldProblem("trainer.mini_batches", f"must not exceed orchestrator.tasks_per_batch ({self.orchestrator.tasks_per_batch}); each mini-batch holds whole groups")
         if self.engine.kv_cache_tokens < self.env.context_limit_tokens + 1:
             raise FieldProblem("engine.kv_cache_tokens", f"must hold at least one whole trial (env.context_limit_tokens + 1 = {self.env.context_limit_tokens + 1})")
+        if self.trainer.advantage_sign == 0:
+            raise FieldProblem("trainer.advantage_sign", "must be 1 (train) or -1 (the diagnostic that flips every advantage)")
+        if not self.env.operators or set(self.env.operators) - set("+-*"):
+            raise FieldProblem("env.operators", f"expected one or more of '+-*', found {self.env.operators!r}")
         if self.env.kind == "tool_use" and self.env.context_limit_tokens < 2 * self.env.max_new_tokens:
             raise FieldProblem("env.context_limit_tokens", "must be at least twice env.max_new_tokens for a multi-turn trial")
 
@@ -176,6 +184,11 @@ KNOB_EFFECTS = {
     "env.temperature": "gap (trainer and engine both scale logits), reward spread",
     "env.trial_timeout_s": "trials_cut_off; rollout_s (a group waits at most this long)",
     "env.max_turns": "rollout_s, sandbox_exec_s, gen_tokens",
+    "env.seed": "which tasks a batch holds (reward; rollout_s through prompt and answer lengths)",
+    "env.max_operand": "reward (task difficulty); prompt and answer lengths",
+    "env.max_terms": "reward (task difficulty); prompt and answer lengths",
+    "env.operators": "reward (task difficulty)",
+    "trainer.advantage_sign": "reward over steps (-1: falls)",
     "env.sandbox_pool_size": "rollout_s, sandbox_slot_wait_s (tool use)",
     "env.prebuilt_image": "sandbox_setup_s",
     "env.image_modules": "sandbox_setup_s (size of the image a trial builds)",

@@ -26,10 +26,16 @@ class Task:
     files: dict[str, str] = field(default_factory=dict)
 
 
-def make_math_task(rng: random.Random, task_id: str) -> Task:
-    """``a op b`` or ``a op b op c`` with small operands; the answer is Python's integer value."""
-    operands = [rng.randint(0, 99) for _ in range(rng.choice((2, 3)))]
-    ops = [rng.choice("+-*") for _ in operands[1:]]
+def make_math_task(rng: random.Random, task_id: str, max_operand: int = 99, max_terms: int = 3,
+                   operators: str = "+-*") -> Task:
+    """``a op b`` (up to ``max_terms`` operands) with operands in 0..max_operand; the answer is its integer value.
+
+    The defaults draw from the generator exactly as before these parameters existed, so a seed
+    gives the same tasks it always gave; ``max_operand=9, max_terms=2, operators="+"`` are the
+    one-digit sums a randomly initialised model can learn within a few hundred steps.
+    """
+    operands = [rng.randint(0, max_operand) for _ in range(rng.choice(range(2, max_terms + 1)))]
+    ops = [rng.choice(operators) for _ in operands[1:]]
     expr = str(operands[0]) + "".join(f"{op}{value}" for op, value in zip(ops, operands[1:], strict=True))
     return Task(task_id, f"{expr}=", str(_evaluate(expr)))
 

@@ -244,8 +244,9 @@ class Rollout:
 
     def next_task(self) -> Task:
         task_id = f"t{next(self._task_ids)}"
-        make = make_math_task if self.env.kind == "math" else make_tool_task
-        return make(self.task_rng, task_id)
+        if self.env.kind == "math":
+            return make_math_task(self.task_rng, task_id, self.env.max_operand, self.env.max_terms, self.env.operators)
+        return make_tool_task(self.task_rng, task_id)
 
     def start_group(self, task: Task) -> Future:
         """Start the task's trials; the returned future gives the :class:`Group` when all are done."""

@@ -124,7 +124,7 @@ class GRPOTrainer:
                 roll[r, offset:offset + length - 1] = torch.tensor(s.rollout_logprobs[1:])
                 if old is not None:
                     old[r, offset:offset + length - 1] = old_logprobs[index][1:]
-                adv[r, sl] = s.advantage
+                adv[r, sl] = s.advantage * self.t.advantage_sign
                 offset += length
                 index += 1
         targets = torch.roll(ids, -1, dims=1)

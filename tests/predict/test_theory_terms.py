@@ -205,3 +205,31 @@ def test_measured_sandbox_setup_and_exec_pin_their_per_trial_coefficients():
     from rltune.predict.theory import turns
 
     assert fitted["sandbox_exec_s"] * float(turns(Features([setup_from_case(cases[0])]))[0]) == pytest.approx(0.3, rel=0.1)
+
+
+MATH = {"job": "tiny-math-cpu", "workload": "math"}
+
+
+def math_setup(**knobs):
+    return setup_from_case(make_case("m", rollout=1.0, training=1.0, weight_sync=0.0, **MATH)).with_knobs(**knobs)
+
+
+def test_a_generation_round_that_feeds_several_steps_costs_each_step_its_share():
+    base = math_setup(engine_max_concurrency=1024, generation_batch_size=32)   # one step's worth: 8 x 4 samples
+    double = base.with_setting("generation_batch_size", 64)                   # two steps' worth in one round
+    reused = base.with_setting("batch_reuse", 2)                              # each batch trained on twice
+    rollout = TheoryModel().stages_many([base, double, reused])["rollout"]
+    fixed = TheoryModel().coefficients_for("cpu")["rollout_fixed_s"]
+    decode = rollout - fixed
+    # twice the samples in one round (one wave: the longest answer sets it) over two steps; the same batch over two steps
+    assert decode[2] == pytest.approx(decode[0] / 2)
+    assert decode[0] / 2 < decode[1] < decode[0]
+
+
+def test_fully_async_rollout_runs_ahead_by_as_many_batches_as_the_engines_slots_and_the_age_cap_allow():
+    from rltune.predict.theory import run_ahead
+
+    setups = [math_setup(rl_mode=mode, num_engines=engines, engine_max_concurrency=32, max_sample_age=age)
+              for mode, engines, age in [("sync", 4, 2), ("fully_async", 1, 2), ("fully_async", 2, 2),
+                                         ("fully_async", 4, 2), ("fully_async", 4, 1)]]
+    assert list(run_ahead(Features(setups))) == [1.0, 1.0, 2.0, 3.0, 2.0]

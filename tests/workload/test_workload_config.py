@@ -80,6 +80,10 @@ def test_unknown_override_key_names_the_file_and_suggests_the_key():
     ("engine.batching=stati", WrongTypeError, "did you mean 'static'"),
     ("trainer=3", UnknownKeyError, "unknown override key"),
     ("nonsense.key=1", UnknownKeyError, "see docs/workload.md"),
+    ("trainer.advantage_sign=0", WrongTypeError, "trainer.advantage_sign: must be 1 (train) or -1"),
+    ("trainer.advantage_sign=2", WrongTypeError, "expected a value <= 1"),
+    ("env.operators=+/", WrongTypeError, "env.operators: expected one or more of '+-*'"),
+    ("env.max_terms=1", WrongTypeError, "expected a value >= 2"),
 ])
 def test_bad_overrides_fail_with_a_located_message(override, error, text):
     with pytest.raises(error) as err:

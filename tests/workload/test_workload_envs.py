@@ -31,6 +31,20 @@ def test_math_tasks_are_seeded_and_their_answers_are_right():
         assert int(task.answer) == eval(task.prompt[:-1])  # noqa: S307
 
 
+def test_math_task_defaults_draw_the_tasks_the_generator_always_drew():
+    # Recorded before the difficulty parameters existed: env.seed 0's first tasks must not move,
+    # or every earlier run and case of the tiny math job would have been made on other tasks.
+    tasks = [make_math_task(rng, f"t{i}") for rng in [random.Random(0)] for i in range(4)]
+    assert [t.prompt for t in tasks] == ["97-53*5=", "51-38*61=", "64-17=", "96*12="]
+
+
+def test_easy_math_tasks_are_one_digit_sums():
+    rng = random.Random(0)
+    tasks = [make_math_task(rng, f"t{i}", max_operand=9, max_terms=2, operators="+") for i in range(200)]
+    assert all(len(t.prompt) == 4 and t.prompt[1] == "+" for t in tasks)
+    assert {int(t.answer) for t in tasks} == set(range(19))
+
+
 def test_tool_task_answer_is_the_sum_of_its_data_file():
     task = make_tool_task(random.Random(1), "t0")
     assert int(task.answer) == sum(int(x) for x in task.files["data.txt"].split())

@@ -1,0 +1,285 @@
+"""The reward check: its rule on hand-computed curves, bad input refused before anything runs, and
+real runs of the learning tiny math job in which a broken advantage fails and a neutral change passes.
+
+The real runs are short (16 steps of presets/workload/tiny-math-learn.yaml: 16 tasks x 8 trials,
+two-token answers) and their untuned seeds are run once and reused by the later tests, which is
+also how a check interrupted by a kill goes on.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rltune.cli.main import main
+from rltune.contracts.reward_check import REWARD_CHECK_NAME, RewardCheck, load_reward_check, save_reward_check
+from rltune.contracts.stages import read_stages
+from rltune.errors import ArtifactError
+from rltune.tune.reward_check import (
+    BAND_Z,
+    RewardCheckInputError,
+    judge_curve,
+    kept_changes,
+    last_reward_check,
+    moving_average,
+    plan_reward_check,
+    run_reward_check,
+    seed_band,
+)
+
+from .helpers import DEMO, REPO
+
+LEARN = REPO / "presets" / "cpu-math-learn.yaml"
+STEPS, WINDOW = 16, 4
+
+
+# -- the rule on hand-computed values ----------------------------------------------------------------
+
+def test_moving_average_is_trailing_over_full_windows_only():
+    assert moving_average([1, 2, 3, 4, 5], 2) == [1.5, 2.5, 3.5, 4.5]
+    assert moving_average([1, 2, 3, 4, 5], 5) == [3.0]
+    assert moving_average([1, 2, 3, 4, 5], 6) == []
+    assert moving_average([0.25, 0.5], 1) == [0.25, 0.5]
+
+
+def test_band_is_z_pooled_seed_sd_times_the_spread_of_one_more_run():
+    # Moving averages (window 2): seed A 0, 0, 0; seed B 1, 1, 1 -> centre 0.5, per-step variance 0.5.
+    band = seed_band([[0, 0, 0, 0], [0, 2, 0, 2]], window=2)
+    assert band.centre == [0.5, 0.5, 0.5] and band.first_step == 1
+    assert band.seed_sd == pytest.approx(math.sqrt(0.5))
+    assert band.half_width == pytest.approx(BAND_Z * math.sqrt(0.5) * math.sqrt(1 + 1 / 2))
+
+
+def test_two_seeds_that_agree_still_leave_a_band_as_wide_as_one_runs_step_noise():
+    # Identical seeds (seed sd 0) whose rewards alternate 0, 1: each step's variance is 1/4 (mean squared
+    # step-to-step difference 1, halved, is 1/2 -- the variance were steps independent -- a little over);
+    # a 4-step average of such steps moves by sqrt(1/2) / 2.
+    rewards = [0, 1] * 6
+    band = seed_band([rewards, rewards], window=4)
+    assert band.seed_sd == 0 and band.step_noise_sd == pytest.approx(math.sqrt(0.5) / 2)
+    assert band.half_width == pytest.approx(BAND_Z * math.sqrt(0.5) / 2 * math.sqrt(1.5))
+    assert judge_curve([0.25, 1] * 6, band).passed  # averages 0.125 above: inside a 0.65 half-width
+
+
+def test_pooling_keeps_a_band_where_two_seeds_cross():
+    # The seeds' averages cross at the middle step (sd 0 there); the pooled band is not 0 at that step.
+    band = seed_band([[0, 1, 2, 3], [3, 2, 1, 0]], window=1)
+    assert band.centre == [1.5] * 4 and band.half_width > 0
+    assert judge_curve([1.5, 1.5, 1.5, 1.5], band).passed
+
+
+def test_a_curve_outside_the_band_fails_within_band_and_one_below_also_fails_final_window():
+    band = seed_band([[0, 0, 0, 0], [0, 2, 0, 2]], window=2)  # centre 0.5, half-width 2.598
+    inside = judge_curve([0, 4, 0, 4], band)                    # averages 2.0: 1.5 above
+    assert inside.passed and inside.max_deviation == pytest.approx(1.5)
+    above = judge_curve([0, 8, 0, 8], band)                     # averages 4.0: 3.5 above
+    assert [r.passed for r in above.rules] == [False, True]     # learning differently fails; the end is not lower
+    below = judge_curve([0, -6, 0, -6], band)                   # averages -3.0: 3.5 below
+    assert [r.passed for r in below.rules] == [False, False]
+    assert below.final_delta == pytest.approx(-3.5) and below.max_deviation_step == 1
+
+
+def test_kept_changes_follow_the_journal_and_a_later_change_owns_a_knob_it_moved_again():
+    untuned = {"a": 1, "b": 1, "c": 1}
+    events = [{"event": "start"},
+              {"event": "trial", "decision": "keep", "run_id": "r1-x", "fixes": ["fa"], "knobs": {"a": 2, "b": 1, "c": 1}},
+              {"event": "round_end", "outcome": "kept", "baseline_run": "r1-x"},
+              {"event": "trial", "decision": "reject", "run_id": "r2-y", "fixes": ["fc"], "knobs": {"a": 2, "b": 1, "c": 5}},
+              # kept in a parallel round, but the round went on from r2-z: not a change of the best setup
+              {"event": "trial", "decision": "keep", "run_id": "r2-w", "fixes": ["fc"], "knobs": {"a": 2, "b": 1, "c": 7}},
+              {"event": "trial", "decision": "keep", "run_id": "r2-z", "fixes": ["fa", "fb"],
+               "knobs": {"a": 3, "b": 2, "c": 1}},
+              {"event": "round_end", "outcome": "kept", "baseline_run": "r2-z"}]
+    changes = kept_changes(events, untuned, {"a": 3, "b": 2, "c": 1})
+    # r1-x only moved a, which r2-z moved again: nothing of it is left to undo.
+    assert [(c.label, c.reverted) for c in changes] == [("r2-z (fa+fb)", {"a": 2, "b": 1})]
+
+
+def test_a_check_file_that_breaks_its_own_rule_is_refused(tmp_path):
+    common = dict(schema_version=1, reason="r", tuned_job="t.yaml", untuned_job="u.yaml", tuned_overrides={},
+                  window=3, seeds=[0, 1], task_seed=0, rule="rule")
+    path = tmp_path / REWARD_CHECK_NAME
+    save_reward_check(RewardCheck(decision="fail", steps=10, **common), path)
+    assert load_reward_check(path).decision == "fail"
+    save_reward_check(RewardCheck(decision="fail", steps=5, **common), path)
+    with pytest.raises(ArtifactError, match="window: steps \\(5\\) must be at least 2 x window"):
+        load_reward_check(path)
+
+
+# -- bad input: one line, exit 2, nothing runs ---------------------------------------------------------
+
+@pytest.mark.parametrize("args, says", [
+    (["--steps", "5", "--window", "3"], "--steps: 5 is too few for a 3-step window"),
+    (["--steps", "10", "--seeds", "1"], "--seeds: 1; the band is the untuned setup's seed-to-seed spread"),
+])
+def test_steps_too_few_for_the_window_or_one_seed_is_bad_input(args, says, tmp_path, capsys):
+    assert main(["reward-check", str(LEARN), "--against", str(LEARN), "--out", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_job_without_seed_knobs_is_refused_with_the_fix(tmp_path, capsys):
+    assert main(["reward-check", str(DEMO), "--against", str(DEMO), "--steps", "20", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"rltune: {DEMO}: knobs.seed: the reward check needs a 'seed' knob")
+    assert "seed: orchestrator.seed" in err
+
+
+def test_a_tuned_knob_the_untuned_job_cannot_pass_is_refused(tmp_path):
+    data = yaml.safe_load(LEARN.read_text())
+    data["knobs"]["trainer_gpus"] = 2
+    data["launch"]["knob_map"]["trainer_gpus"] = "placement.trainer_gpus"
+    tuned = tmp_path / "tuned.yaml"
+    tuned.write_text(yaml.safe_dump(data))
+    plan = plan_reward_check(LEARN, 20)
+    with pytest.raises(RewardCheckInputError, match="no entry for 'trainer_gpus', which .*tuned.yaml sets"):
+        run_reward_check(tuned, plan, tmp_path / "out")
+    assert not (tmp_path / "out" / "runs").exists()
+
+
+def test_a_missing_job_file_is_bad_input(tmp_path, capsys):
+    assert main(["reward-check", str(tmp_path / "nope.yaml"), "--against", str(LEARN), "--steps", "20"]) == 2
+    assert "nope.yaml: no such file" in capsys.readouterr().err
+
+
+# -- real runs -----------------------------------------------------------------------------------------
+
+def _job(folder: Path, name: str, **knobs) -> Path:
+    """The learning job with the diagnostic advantage_sign mapped, launched from the repository; its
+    command carries a fixed lr of 1e-3 (twice the preset's) so that 16 steps learn enough to tell."""
+    data = yaml.safe_load(LEARN.read_text())
+    data["launch"]["workdir"] = str(REPO)
+    data["launch"]["command"] = [*data["launch"]["command"], "trainer.lr=1e-3"]
+    data["knobs"]["advantage_sign"] = 1
+    data["launch"]["knob_map"]["advantage_sign"] = "trainer.advantage_sign"
+    data["knobs"].update(knobs)
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory):
+    """A check of the setup whose advantages are flipped: the untuned seeds' runs are reused later."""
+    folder = tmp_path_factory.mktemp("reward")
+    against = _job(folder, "against")
+    tuned = _job(folder, "broken", advantage_sign=-1)
+    out = folder / "broken-check"
+    code = main(["reward-check", str(tuned), "--against", str(against), "--steps", str(STEPS), "--window",
+                 str(WINDOW), "--out", str(out)])
+    return folder, against, out, code
+
+
+def _reuse_untuned(broken_out: Path, out: Path) -> None:
+    for run in ("untuned-s0", "untuned-s1"):
+        shutil.copytree(broken_out / "runs" / run, out / "runs" / run)
+
+
+def test_a_broken_advantage_fails_the_check_and_the_change_is_blamed(broken):
+    _, _, out, code = broken
+    check = load_reward_check(out / REWARD_CHECK_NAME)
+    assert code == 3 and check.decision == "fail"
+    assert {c.name: c.passed for c in check.checks} == {"within_band": False, "final_window": False}
+    band = check.band
+    untuned = [r for r in check.runs if r.role == "untuned"]
+    tuned = next(r for r in check.runs if r.role == "tuned")
+    assert [r.seed for r in untuned] == [0, 1] and tuned.seed == 0 and check.task_seed == 0
+    # The untuned setup learns within these steps; the flipped advantages un-learn, lower by more than the band.
+    assert band.centre_final > band.centre_first and band.half_width > 0
+    assert tuned.final_window_mean < tuned.first_window_mean
+    assert tuned.final_window_mean < band.centre_final - band.half_width
+    assert check.tuned_overrides == {"advantage_sign": -1}
+    # Undoing the one change leaves the untuned setup, whose first seed passes: it is to blame.
+    assert [(a.change, a.reverted, a.passed) for a in check.attribution] == [("advantage_sign", {"advantage_sign": 1}, True)]
+    assert check.blamed == ["advantage_sign"]
+    # The job's knob rendering passed the seeds: each run's resolved workload config holds its seed and the task order.
+    for run in check.runs:
+        config = yaml.safe_load((out / run.run_dir / "config.yaml").read_text())
+        assert config["orchestrator"]["seed"] == run.seed and config["env"]["seed"] == 0
+        assert config["trainer"]["advantage_sign"] == (-1 if run.role == "tuned" else 1)
+    # Every run directory holds reward, gap and sample age for every step.
+    for run in check.runs:
+        rows = read_stages(out / run.run_dir / "stages.parquet").to_pylist()
+        assert sorted(r["step"] for r in rows) == list(range(STEPS))
+        assert all(r["reward"] is not None and r["gap"] is not None and r["sample_age_mean"] == 0 for r in rows)
+
+
+def test_a_neutral_change_passes_and_finished_runs_are_reused(broken, capsys):
+    folder, against, broken_out, _ = broken
+    tuned = _job(folder, "neutral", sync_transport="inprocess")  # the same weights reach the engines another way
+    out = folder / "neutral-check"
+    _reuse_untuned(broken_out, out)
+    capsys.readouterr()
+    code = main(["reward-check", str(tuned), "--against", str(against), "--steps", str(STEPS), "--window",
+                 str(WINDOW), "--out", str(out)])
+    err = capsys.readouterr().err
+    check = load_reward_check(out / REWARD_CHECK_NAME)
+    assert code == 0 and check.decision == "pass", check.reason
+    assert "untuned-s0: finished earlier, reused" in err and "running untuned-s0" not in err
+    assert "running tuned-s0" in err
+    assert check.band.half_width == pytest.approx(load_reward_check(broken_out / REWARD_CHECK_NAME).band.half_width)
+    assert check.attribution == [] and check.blamed == []
+
+
+def test_a_tuned_job_that_crashes_is_exit_4_with_its_log(broken):
+    folder, against, broken_out, _ = broken
+    tuned = _job(folder, "crash", micro_batch_size=0)  # the workload refuses it: the job exits 2
+    out = folder / "crash-check"
+    _reuse_untuned(broken_out, out)
+    code = main(["reward-check", str(tuned), "--against", str(against), "--steps", str(STEPS), "--out", str(out)])
+    check = load_reward_check(out / REWARD_CHECK_NAME)
+    assert code == 4 and check.decision == "failed" and check.band is None
+    assert check.reason.startswith("run tuned-s0 failed")
+    assert "trainer.micro_batch_size" in next(r for r in check.runs if r.role == "tuned").error
+
+
+def test_auto_checks_its_tuned_preset_blames_the_knob_of_a_bundle_and_the_report_draws_the_band(broken, tmp_path):
+    """The loop's end with --reward-check, on the journal of a finished tuning whose one kept change is
+    a bundle: the broken advantage with the neutral sync transport (resumed to its finish)."""
+    from rltune.tune.journal import Journal
+
+    folder, against, broken_out, _ = broken
+    work = tmp_path / "tune"
+    runs = work / "reward-check" / "runs"
+    _reuse_untuned(broken_out, work / "reward-check")
+    # Undoing the sync transport alone leaves the broken advantage: the broken check's tuned run is that run.
+    shutil.copytree(broken_out / "runs" / "tuned-s0", runs / "without-1-sync_transport-s0")
+    untuned_dir, trial_dir = broken_out / "runs" / "untuned-s0", broken_out / "runs" / "tuned-s0"
+    journal = Journal(work / "journal.jsonl")
+    base = yaml.safe_load(against.read_text())["knobs"]
+    knobs = {**base, "advantage_sign": -1, "sync_transport": "inprocess"}
+    journal.append("start", job=str(against), job_name="tiny-math-learn-cpu", gpus=0, device="cpu", rl_mode="sync",
+                   rounds=1, trial_budget=1, steps=STEPS, baseline_runs=1, library="cases")
+    journal.append("baseline", round=0, run_id="r0-untuned", run_ids=["r0-untuned"], run_dir=str(untuned_dir),
+                   run_dirs=[str(untuned_dir)], knobs=base, step_s=1.0, step_median_s=1.0, stages_s={},
+                   limiting_stage="rollout", problems=[], noise_pct=5.0, noise="")
+    journal.append("trial", round=1, run_id="r1-bundle-a1", run_dirs=[str(trial_dir)], candidate="r1-c1",
+                   fixes=["flip_advantage", "inprocess_sync"], group="trainer", knobs=knobs, decision="keep",
+                   reason="faster", step_s=0.5, median_s=0.5, baseline_step_s=1.0, gain_pct=50.0, noise_pct=5.0)
+    journal.append("round_end", round=1, outcome="kept", baseline_run="r1-bundle-a1")
+    reused = {p: p.read_text() for p in runs.glob("*/launch.json")}
+    code = main(["auto", str(against), "--workdir", str(work), "--rounds", "1", "--trials", "1", "--tuned-dir",
+                 str(tmp_path / "tuned"), "--reward-check", str(STEPS), "--no-live", "--json"])
+    assert code == 3
+    event = last_reward_check(journal.events())
+    bundle = "r1-bundle-a1 (flip_advantage+inprocess_sync)"
+    assert event["decision"] == "fail" and event["blamed"] == [bundle, f"{bundle}: advantage_sign"]
+    assert [e["event"] for e in journal.events()][-2:] == ["reward_check", "finish"]
+    check = load_reward_check(work / event["verdict"])
+    assert check.tuned_job == str(tmp_path / "tuned" / "tiny-math-learn-cpu.yaml")
+    assert check.window == 2  # the default: a tenth of the steps, at least 2
+    assert [(a.change, a.run_id, a.passed) for a in check.attribution] == [
+        (bundle, "untuned-s0", True),                                        # undone: the untuned setup
+        (f"{bundle}: sync_transport", "without-1-sync_transport-s0", False),  # the broken advantage alone fails
+        (f"{bundle}: advantage_sign", "without-1-advantage_sign-s0", True)]  # the neutral transport alone passes
+    # The runs found finished were reused, not run again.
+    assert {p: p.read_text() for p in reused} == reused and len(reused) == 3
+    page = (work / "report.html").read_text()
+    section = page[page.index("<h2>Reward check</h2>"):]
+    assert "FAIL" in section[:400] and 'src="data:image/png;base64,' in section
+    assert "flip_advantage" in section and "To blame" in section
