@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import struct
 import zlib
 from pathlib import Path
@@ -165,19 +166,48 @@ def parse_json(raw: bytes, where: str, what: str = "file") -> Any:
         raise ManifestSchemaError(f"{where}: {what} nests deeper than any file this format writes; refused") from None
 
 
-def _open_part(path: Path, what: str):
-    """open(path, 'rb') with every OS failure as a typed error naming the file."""
+def _file_kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device"
+
+
+def open_regular(path: Path, what: str, missing: type[SyncFormatError]):
+    """open(path, 'rb') of a regular file, never blocking: a directory, named pipe, socket or device in
+    its place is ``missing`` (a reader that opened a pipe would wait for a writer forever), as is any
+    OS failure; the message names the file."""
     try:
-        if path.is_dir():
-            raise MissingPartError(f"{path}: the {what} is a directory, not a file; the step is damaged: the engine "
-                                   "keeps its weights and reloads once the trainer rewrites the step")
-        return open(path, "rb")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
+        raise missing(f"{path}: {what} is absent") from None
+    except OSError as e:
+        raise missing(f"{path}: {what} cannot be read ({type(e).__name__}: {e}); check the broadcast root's "
+                      "storage") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise missing(f"{path}: {what} is {_file_kind(mode)}, not a file; refused: the step is damaged")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _open_part(path: Path, what: str):
+    """open(path, 'rb') of a part file with every OS failure as a typed error naming the file."""
+    try:
+        return open_regular(path, what, MissingPartError)
+    except MissingPartError as e:
+        if "is absent" not in str(e):
+            raise MissingPartError(f"{e}; the engine keeps its weights and reloads once the trainer rewrites the "
+                                   "step") from None
         raise MissingPartError(f"{path}: {what} listed in the manifest is missing (pruned or never written); the engine "
                                "will reload from an anchor") from None
-    except OSError as e:
-        raise MissingPartError(f"{path}: {what} cannot be read ({type(e).__name__}: {e}); check the broadcast "
-                               "root's storage") from None
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -515,18 +545,27 @@ def safe_child(step_dir: Path, name: str) -> Path:
 
 
 def _read_capped(path: Path, cap: int, missing: type[SyncFormatError], what: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > cap:
-                raise HeaderTooLargeError(f"{path}: {size} bytes, cap {cap}: not a file this format writes")
+    inside(path)
+    with open_regular(path, what, missing) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > cap:
+            raise HeaderTooLargeError(f"{path}: {size} bytes, cap {cap}: not a file this format writes")
+        try:
             return f.read(cap + 1)
-    except FileNotFoundError:
-        raise missing(f"{path}: {what} is absent") from None
-    except IsADirectoryError:
-        raise missing(f"{path}: {what} is a directory, not a file") from None
-    except OSError as e:
-        raise missing(f"{path}: {what} cannot be read ({type(e).__name__}: {e})") from None
+        except OSError as e:
+            raise missing(f"{path}: {what} cannot be read ({type(e).__name__}: {e})") from None
+
+
+def inside(path: Path) -> Path:
+    """A step's manifest or marker, refused (:class:`ManifestPathError`) if it is a link that resolves
+    outside its step directory: a reader opens nothing of a step outside the step's own directory."""
+    try:
+        resolved, parent = path.resolve(), path.parent.resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        raise ManifestPathError(f"{path}: does not resolve ({e}); refused") from None
+    if resolved.parent != parent:
+        raise ManifestPathError(f"{path}: resolves to {resolved}, outside the step directory {parent}; refused")
+    return path
 
 
 def marker_bytes(manifest_raw: bytes, manifest: dict[str, Any]) -> bytes:

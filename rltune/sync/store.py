@@ -121,9 +121,10 @@ def _read_summary(step_dir: Path, rank: int, attempt: str, world: int, step: int
     None while the summary there is absent or another attempt's (a leftover of one that died)."""
     path = step_dir / summary_name(rank)
     try:
-        raw = path.read_bytes()
-    except (FileNotFoundError, IsADirectoryError):
-        return None
+        with fmt.open_regular(path, "rank summary", fmt.MissingPartError) as f:
+            raw = f.read(fmt.MAX_MANIFEST_BYTES + 1)
+    except (fmt.MissingPartError, OSError):
+        return None  # absent, or nothing a rank writes (a directory, a pipe): waited past until ours is there
     try:
         summary = fmt.parse_json(raw, str(path), "rank summary")
     except fmt.ManifestSchemaError:

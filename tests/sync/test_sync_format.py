@@ -227,6 +227,39 @@ def test_a_part_path_that_is_a_directory_is_a_missing_part(tmp_path):
         fmt.read_part_header(tmp_path / "rank-00000.delta")
 
 
+@pytest.mark.timeout(20, method="thread")  # a reader that opened the pipe would wait here for a writer forever
+def test_a_named_pipe_where_a_file_belongs_is_refused_without_waiting(tmp_path):
+    d = tmp_path / fmt.step_dir_name(4)
+    d.mkdir()
+    fmt.write_manifest(d, _manifest())
+    os.mkfifo(d / "rank-00000.delta")
+    with pytest.raises(fmt.MissingPartError, match="rank-00000.delta: part file is a named pipe"):
+        fmt.read_part_header(d / "rank-00000.delta")
+    (d / fmt.MANIFEST_NAME).unlink()
+    os.mkfifo(d / fmt.MANIFEST_NAME)
+    with pytest.raises(fmt.MissingManifestError, match="manifest.json.* is a named pipe"):
+        fmt.read_manifest(d)
+    (d / fmt.COMPLETE_NAME).unlink()
+    os.mkfifo(d / fmt.COMPLETE_NAME)
+    with pytest.raises(fmt.StepNotReadyError, match="is a named pipe"):
+        fmt.read_marker(d)
+
+
+def test_a_marker_or_manifest_linked_from_outside_its_step_directory_is_refused(tmp_path):
+    d = tmp_path / fmt.step_dir_name(4)
+    d.mkdir()
+    fmt.write_manifest(d, _manifest())
+    for name in (fmt.MANIFEST_NAME, fmt.COMPLETE_NAME):
+        outside = tmp_path / f"outside-{name}"
+        (d / name).rename(outside)  # the very bytes, so only where they are is wrong
+        os.symlink(outside, d / name)
+        with pytest.raises(fmt.ManifestPathError, match=f"{name}: resolves to .*outside the step directory"):
+            fmt.read_manifest(d)
+        (d / name).unlink()
+        outside.rename(d / name)
+    assert fmt.read_manifest(d) == _manifest()
+
+
 def _anchor_manifest(shape, entries):
     header = dict(kind="anchor", entries=entries)
     m = _manifest(kind="full", base_step=None, base_attempt=None, parts=[],
