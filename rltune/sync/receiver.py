@@ -328,7 +328,11 @@ class DeltaReceiver:
                 if not targets:
                     continue
                 bits = _DTYPE_BITS[m["tensors"][e["name"]]["dtype"]]
-                idx, diff = codec.decode(fmt.read_entry_bytes(path, start, e), e["start"], e["stop"], bits)
+                data = fmt.read_entry_bytes(path, start, e)
+                try:
+                    idx, diff = codec.decode(data, e["start"], e["stop"], bits)
+                except fmt.CodecError as exc:  # the codec knows bytes only: name the file and the entry
+                    raise fmt.CodecError(f"{path}: entry {e['name']}: {exc}") from None
                 if len(idx) != e["changes"]:
                     raise fmt.CodecError(f"{path}: entry {e['name']} decodes to {len(idx)} changes, header says {e['changes']}")
                 yield targets, idx, diff
