@@ -1,8 +1,8 @@
 """Inside each vLLM worker: the extension vLLM mixes into its worker class (``worker_extension_cls``).
 
-:class:`RltuneWorkerExtension` adds four methods that an orchestrator calls through vLLM's
+:class:`RltuneWorkerExtension` adds five methods that an orchestrator calls through vLLM's
 ``collective_rpc`` (every worker of the engine runs each): ``rltune_attach``, ``rltune_prepare``,
-``rltune_update`` and ``rltune_weights``. Each takes one JSON string and returns a JSON-able dict,
+``rltune_update``, ``rltune_verify`` and ``rltune_weights``. Each takes one JSON string and returns a JSON-able dict,
 so the same calls work in-process (``LLM.collective_rpc``) and over HTTP (``vllm serve`` with
 ``VLLM_SERVER_DEV_MODE=1``: ``POST /collective_rpc``). An rltune error comes back as
 ``{"ok": false, "error": <class name>, "message": ...}`` rather than as an exception, so that
@@ -41,6 +41,7 @@ worker holds (GPU: the fused Triton apply kernel; CPU: the same apply compiled f
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import threading
 import time
@@ -311,11 +312,11 @@ class WorkerSync:
         error = self.receiver.last_prefetch_error
         return dict(result, prefetch_step=step, prefetch_error=None if error is None else f"{type(error).__name__}: {error}")
 
-    def update(self, step: int) -> dict[str, Any]:
+    def update(self, step: int, wait_s: float = 0.0) -> dict[str, Any]:
         prefetch = self._join_prefetch()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        report = self.receiver.apply(step)
+        report = self.receiver.apply(step, wait_s=wait_s)
         if self.verify == "full":
             self._verify_full(step)
         if self.device.type == "cuda":
@@ -330,6 +331,17 @@ class WorkerSync:
         running check."""
         self.receiver.recompute_shares()
         self.receiver.verify(step)
+
+    def check_weights(self) -> dict[str, Any]:
+        """Check the weights held now, recomputed from every parameter, against the trainer's checksums of
+        the step held; a mismatch (a write outside the receiver) marks the worker invalid: the next
+        update reloads and replays."""
+        rx = self.receiver
+        if not rx.valid:
+            raise fmt.ChainError(f"{rx.store.root}: this worker holds no verified step to check (it never loaded one "
+                                 "or its last update failed); update or attach first")
+        self._verify_full(rx.step)
+        return dict(step=rx.step, attempt=rx.attempt)
 
 def _report(report, receiver) -> dict[str, Any]:
     return dict(ok=True, action=report.action, step=report.step, anchor=report.anchor, deltas=list(report.deltas),
@@ -359,6 +371,14 @@ def _step(value: Any) -> int:
     return int(value)
 
 
+def _wait_s(value: Any, timeout_s: float) -> float:
+    # the other workers wait for TP rank 0's plan in a collective bounded by timeout_s: a longer wait
+    # would fail them with GroupUnreachableError while rank 0 is still politely waiting
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < timeout_s:
+        raise VllmSyncError(f"wait_s must be a number in [0, timeout_s={timeout_s:g}), got {str(value)[:40]!r}")
+    return float(value)
+
+
 def _call(fn, request: str) -> dict[str, Any]:
     try:
         args = json.loads(request) if request else {}
@@ -367,9 +387,11 @@ def _call(fn, request: str) -> dict[str, Any]:
     if not isinstance(args, dict):
         return dict(ok=False, error="VllmSyncError", message=f"request must be a JSON object, got {str(request)[:80]!r}")
     try:
-        return fn(**args)
+        inspect.signature(fn).bind(**args)
     except TypeError as exc:  # a request whose fields the call does not take
         return dict(ok=False, error="VllmSyncError", message=f"request {str(request)[:80]!r}: {exc}")
+    try:
+        return fn(**args)
     except Exception as exc:  # every failure comes back as a typed result, never as an engine crash
         exc = _typed(exc, "the worker call")
         return dict(ok=False, error=type(exc).__name__, message=str(exc))
@@ -385,14 +407,21 @@ class RltuneWorkerExtension:
         return state
 
     def rltune_attach(self, request: str = "") -> dict[str, Any]:
-        """``{"root": DIR, "timeout_s": 120, "verify": "running" | "full"}``: build the state, load the latest step."""
-        def attach(root: str, timeout_s: float = 120.0, verify: str = "running") -> dict[str, Any]:
+        """``{"root": DIR, "timeout_s": 120, "verify": "running" | "full", "load": true}``: build the state, load
+        the latest step (``load`` false: load nothing; the first update reloads an anchor and replays)."""
+        def attach(root: str, timeout_s: float = 120.0, verify: str = "running", load: bool = True) -> dict[str, Any]:
             if verify not in ("running", "full"):
                 raise VllmSyncError(f"verify must be 'running' or 'full', got {verify!r}")
+            if not isinstance(load, bool):
+                raise VllmSyncError(f"load must be true or false, got {load!r}")
             start = time.perf_counter()
             state = WorkerSync(self, root, float(timeout_s), verify)
             self._rltune_state = state
-            out = state.load_latest()
+            if load:
+                out = state.load_latest()
+            else:
+                out = dict(ok=True, action="none", step=None, anchor=None, deltas=[], changes=0, seconds=0.0, phases={},
+                           anchor_loads=0, deltas_applied=0, fallbacks=[], valid=False, attempt=None)
             out.update(attach_s=time.perf_counter() - start, record_s=state.record_s, tp_rank=state.tp_rank,
                        tp_size=state.tp_size, plain_layers=state.plain_layers,
                        engine_only={k: v for k, v in state.index_map.engine_only.items()})
@@ -404,13 +433,19 @@ class RltuneWorkerExtension:
         return _call(lambda step: dict(ok=True, **self._rltune_sync().prepare(_step(step))), request)
 
     def rltune_update(self, request: str = "") -> dict[str, Any]:
-        """``{"step": S}``: bring the weights to step S in place (or reload + replay) and verify them."""
-        def update(step: int) -> dict[str, Any]:
+        """``{"step": S, "wait_s": 0}``: bring the weights to step S in place (or reload + replay) and verify
+        them; ``wait_s``: how long to wait politely for a step the trainer is still writing."""
+        def update(step: int, wait_s: float = 0.0) -> dict[str, Any]:
             start = time.perf_counter()
-            out = self._rltune_sync().update(_step(step))
+            state = self._rltune_sync()
+            out = state.update(_step(step), _wait_s(wait_s, state.timeout_s))
             out["worker_s"] = time.perf_counter() - start
             return out
         return _call(update, request)
+
+    def rltune_verify(self, request: str = "") -> dict[str, Any]:
+        """``{}``: recompute both checksums of every tensor from the parameters and check the step held."""
+        return _call(lambda: dict(ok=True, **self._rltune_sync().check_weights()), request)
 
     def rltune_weights(self, request: str = "") -> dict[str, Any]:
         """``{"tensors": false, "plain": false}``: every parameter's SHA-256, shape and dtype (and, with
