@@ -1,7 +1,10 @@
 """A seeded fault campaign against sparse delta sync: every fault injected through files and the public API.
 
-A real tiny Qwen3 trains with real AdamW steps and publishes through ``DeltaPublisher``; engines are
-``ToyEngine`` workers (vLLM's packing and slicing) behind a ``DeltaReceiver``. :func:`build_world`
+A real tiny Qwen3 trains with real AdamW steps and publishes through ``DeltaPublisher``. The engines
+are one of two receivers (a *backend*): :data:`TOY`, ``ToyEngine`` workers (vLLM's packing and
+slicing) behind a ``DeltaReceiver``, or :class:`VllmBackend`, one real vLLM engine driven through
+``VllmReceiver`` (attached to each case's store, every call through ``collective_rpc``); every
+fault runs unchanged against either. :func:`build_world`
 publishes the timelines once: **A** (steps 0..7, anchors 0, 3, 6; steps 3..7 left after pruning),
 **A+** (A continued to steps 8..10 over leftovers a crashed attempt left in each step directory),
 and two resumed trainers that republish steps 4..6 from A's checkpoint of step 4: **B** (same run
@@ -15,10 +18,15 @@ never **silently wrong** (a call that returns with weights other than the traine
 **raw** exception (anything not an ``RltuneError``, or ``InternalSyncError``), never a **hang**;
 ``prefetch`` of the damaged step first, which must answer a bool. Then it repairs the damage (or
 not, where the fault is permanent and a fallback is the answer) and calls again: **healed** when the
-engine then holds the trainer's weights bit for bit (``torch.equal`` on every parameter).
+engine then holds the trainer's weights bit for bit (``torch.equal`` on every parameter; in a vLLM
+engine on every checkpoint element it holds, through the index map vLLM's own loader recorded).
 
-Used by tests/sync/test_fault_campaign.py (one test per fault) and bench/sync_faults.py (the table
-in docs/BENCHMARKS.md).
+Each case is bounded: a timer interrupts it past :data:`CASE_TIMEOUT_S` (a hang), and the process's
+data segment may grow by at most :data:`CASE_DATA_LIMIT_MIB` while it runs (``RLIMIT_DATA``: an
+allocation past it fails inside the case, as a raw exception, instead of exhausting the machine).
+
+Used by tests/sync/test_fault_campaign.py and tests/sync/test_vllm_campaign.py (one test per fault
+and receiver) and bench/sync_faults.py (the table in docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -46,14 +54,25 @@ from rltune.sync import format as fmt
 from rltune.sync.kernels.reference import P31, as_bits, checksum2_ref, checksum_ref, unsigned
 
 CASE_TIMEOUT_S = 30.0  # per fault: the call under test, the repair and the healing call
-CASE_RSS_GROWTH_MIB = 512  # per fault: growth of the process's peak resident memory
+CASE_RSS_GROWTH_MIB = 512  # per fault: growth of the process's peak resident memory (measured)
+CASE_DATA_LIMIT_MIB = 1024  # per fault: growth of the data segment the kernel allows it (enforced)
+# The trainer's model (about as many weights as sync_helpers' default): head_dim 32 and 128 positions are
+# what vLLM's CPU attention and max_model_len need, so that one world serves both receivers; two query
+# heads share one KV head, so qkv packing still differs in q and kv rows.
+MODEL = dict(hidden=32, heads=2, head_dim=32, intermediate=64, max_positions=128)
 TENSORS = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight",
            "model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.gate_proj.weight",
            "model.layers.1.self_attn.k_proj.weight"]
 
 
-class CaseTimeout(Exception):
-    """A fault's calls ran past CASE_TIMEOUT_S: counted as a hang."""
+# What every error a fault raises must name: a file or directory of the store (a path), or the step.
+NAMES_WHERE = re.compile(r"/|\bstep \d+|step-\d{12}")
+
+
+class CaseTimeout(BaseException):
+    """A fault's calls ran past CASE_TIMEOUT_S: counted as a hang. Not an ``Exception``, so that no
+    ``except Exception`` on the way (a vLLM worker returns every exception as a result) can turn a hang
+    into an error."""
 
 
 # ------------------------------------------------------------------------------------------ the world
@@ -69,6 +88,7 @@ class World:
     cfg: Any
     m0: dict
     run_ids: dict[str, str]
+    hf_dir: Path | None = None  # the trainer's model at step 0 as a Hugging Face checkpoint (what vLLM boots from)
 
 
 def _snapshot(tr: Trainer) -> dict[str, torch.Tensor]:
@@ -92,9 +112,11 @@ def build_world(base: Path) -> World:
     base.mkdir(parents=True, exist_ok=True)
     states: dict[tuple[str, int], dict] = {}
     root_a = base / "A"
-    tr = Trainer(root_a, interval=3, run_id="run-a", incarnation="a0")
+    tr = Trainer(root_a, interval=3, run_id="run-a", incarnation="a0", kv_heads=1, model_kw=MODEL)
     m0 = tr.pub.publish(0)
     states["A", 0] = _snapshot(tr)
+    hf_dir = base / "hf-0"
+    tr.model.save_pretrained(hf_dir)
     at4 = None
     for s in range(1, 8):
         tr.train_step()
@@ -115,7 +137,7 @@ def build_world(base: Path) -> World:
     for name, run_id in (("B", "run-a"), ("C", "run-c")):
         root = base / name
         shutil.copytree(stores["A"], root)
-        rt = Trainer(root, interval=3, run_id=run_id, incarnation=name.lower() * 2)
+        rt = Trainer(root, interval=3, run_id=run_id, incarnation=name.lower() * 2, kv_heads=1, model_kw=MODEL)
         rt.model.load_state_dict(at4[0])
         rt.opt.load_state_dict(at4[1])
         rt.gen.manual_seed(100 + ord(name))  # other data than A's: other weights at 5 and 6
@@ -126,7 +148,7 @@ def build_world(base: Path) -> World:
             rt.pub.publish(s)
             states[name, s] = _snapshot(rt)
         stores[name] = root
-    return World(base, stores, states, engine_cfg(tr), m0, dict(A="run-a", B="run-a", C="run-c"))
+    return World(base, stores, states, engine_cfg(tr), m0, dict(A="run-a", B="run-a", C="run-c"), hf_dir)
 
 
 # ------------------------------------------------------------------------------------------ file edits
@@ -293,6 +315,157 @@ class Outcome:
     seconds: float
     rss_growth_mib: float
     prefetch_ok: bool = True
+    receiver: str = "toy"
+
+
+# ------------------------------------------------------------------------------------------ the receivers
+
+
+class ToyBackend:
+    """``ToyEngine`` workers behind a ``DeltaReceiver``: a fresh engine per case."""
+
+    name = "toy"
+
+    def receiver(self, case: Case, root: Path, manifest: dict):
+        return make_receiver(root, case.world.cfg, manifest)
+
+    @staticmethod
+    def verify_held(rx) -> str:
+        """Both checksums recomputed from every parameter, against the step held."""
+        rx.recompute_shares()
+        rx.verify(rx.step)
+        return "verified"
+
+
+TOY = ToyBackend()
+
+
+class VllmEngineView:
+    """The weights of the vLLM engine a case drives: checked and edited through each worker's index map."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def holds(self, state: dict) -> bool:
+        from vllm_helpers import held_differences
+
+        return not any(self.llm.collective_rpc(held_differences, args=(state,)))
+
+
+class VllmCaseReceiver:
+    """What a fault calls, mapped onto ``VllmReceiver``'s public calls: ``apply`` is ``update``,
+    ``load_latest`` is ``attach`` (a relaunched engine), ``prefetch`` is ``prepare``. A case starts with
+    ``attach(load=False)`` to its store: a fresh engine that holds no step yet. Setup that reaches
+    into the worker (its store's caches, a hook before the first write) goes to the in-process worker's
+    own receiver (:attr:`inner`)."""
+
+    def __init__(self, llm, root: Path, timeout_s: float):
+        from rltune.sync.vllm import VllmReceiver
+
+        self.llm = llm
+        self.vrx = VllmReceiver(llm, str(root), timeout_s=timeout_s)
+        self.vrx.attach(load=False)
+
+    def _state(self):
+        (state,) = self.llm.collective_rpc(lambda worker: worker._rltune_state)
+        return state
+
+    @property
+    def inner(self):
+        return self._state().receiver
+
+    @property
+    def valid(self) -> bool:
+        return self.inner.valid
+
+    @property
+    def step(self) -> int | None:
+        return self.inner.step if self.inner.valid else None
+
+    @property
+    def store(self):
+        return self.inner.store
+
+    @property
+    def before_write(self):
+        return self.inner.before_write
+
+    @before_write.setter
+    def before_write(self, hook: Callable[[], None]) -> None:
+        guard = self._state().guard
+
+        def both():
+            guard()
+            hook()
+        self.inner.before_write = both
+
+    def apply(self, step: int, wait_s: float = 0.0):
+        return self.vrx.update(step, wait_s=wait_s)
+
+    def load_latest(self):
+        (r,) = self.vrx.attach()
+        return _AttachReport(r["action"], r["step"], r["anchor"], list(r["deltas"]), list(r["fallbacks"]))
+
+    def prefetch(self, step: int) -> bool:
+        """``prepare`` (which must not raise), then the worker's thread joined: whether it staged the step."""
+        self.vrx.prepare(step)
+        state = self._state()
+        if state._prefetch is None:
+            return False
+        _, thread, result = state._prefetch
+        thread.join(CASE_TIMEOUT_S)
+        return bool(result.get("prefetched"))
+
+    @staticmethod
+    def verify_held(rx) -> str:
+        rx.vrx.check_weights()
+        return "verified"
+
+
+@dataclass
+class _AttachReport:
+    action: str
+    step: int
+    anchor: int | None
+    deltas: list[int]
+    fallbacks: list[dict[str, Any]]
+
+
+class VllmBackend:
+    """One real vLLM engine (in this process) that every case attaches to its own store."""
+
+    name = "vllm"
+    timeout_s = CASE_TIMEOUT_S - 5  # a worker's bounded waits end before the case's own limit
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    @classmethod
+    def start(cls, world: World) -> VllmBackend:
+        from vllm_helpers import start_engine
+
+        return cls(start_engine(world.hf_dir))
+
+    def receiver(self, case: Case, root: Path, manifest: dict):
+        return VllmEngineView(self.llm), VllmCaseReceiver(self.llm, root, self.timeout_s)
+
+    @staticmethod
+    def verify_held(rx) -> str:
+        return VllmCaseReceiver.verify_held(rx)
+
+
+def edit_held(rx, name: str, want: dict, edit: dict[int, int]) -> None:
+    """Add ``edit`` (checkpoint element -> change of its unsigned bits) to the engine's own memory, where
+    the engine holds checkpoint tensor ``name`` (whose values are ``want[name]``): a stray write."""
+    inner = getattr(rx, "inner", rx)
+    u = _bits_of(want, name)
+    idx = np.array(sorted(edit), dtype=np.int64)
+    held, pid, pos = inner.imap.tensors[name].locate(idx)
+    assert held.all(), f"the engine does not hold all of {name}"
+    with torch.no_grad():
+        for k, p, q in zip(idx.tolist(), pid.tolist(), pos.tolist(), strict=True):
+            bits = as_bits(inner.params[p].data)
+            bits.view(-1)[q] = int(((int(u[k]) + edit[k] + (1 << 15)) % (1 << 16)) - (1 << 15))
 
 
 @dataclass
@@ -303,6 +476,7 @@ class Case:
     tmp: Path
     rng: np.random.Generator
     copies: list[Path] = field(default_factory=list)
+    backend: Any = TOY
 
     def store(self, name: str = "A") -> Path:
         root = self.tmp / f"{name}-{len(self.copies)}"
@@ -310,8 +484,10 @@ class Case:
         self.copies.append(root)
         return root
 
-    def receiver(self, root: Path, at: int | None = None, **kw):
-        engine, rx = make_receiver(root, self.world.cfg, self.world.m0, **kw)
+    def receiver(self, root: Path, at: int | None = None, manifest: dict | None = None):
+        """A fresh engine on ``root`` (whose tensors ``manifest`` describes; default the world's), brought to
+        ``at`` if given."""
+        engine, rx = self.backend.receiver(self, root, manifest or self.world.m0)
         if at is not None:
             rx.apply(at)
             assert rx.valid and rx.step == at
@@ -331,6 +507,8 @@ class Case:
 
 
 def same_weights(world: World, engine, want: tuple[str, int]) -> bool:
+    if hasattr(engine, "holds"):
+        return engine.holds(world.states[want])
     ref = reference_engine(world.cfg, world.states[want])
     got, exp = dict(engine.named_parameters()), dict(ref.named_parameters())
     return got.keys() == exp.keys() and all(torch.equal(got[n], exp[n]) for n in got)
@@ -370,7 +548,12 @@ def _classify(trial: Trial, world: World, call: Callable[[], Any]) -> tuple[str,
             return "unexpected", f"{type(e).__name__} (expected {[c.__name__ for c in trial.errors]}): {e}", None
         if trial.match is not None and not re.search(trial.match, str(e)):
             return "unexpected", f"{type(e).__name__} without {trial.match!r}: {e}", None
-        if trial.keeps is not None and not (trial.rx.valid and same_weights(world, trial.engine, trial.keeps)):
+        if not NAMES_WHERE.search(str(e)):
+            return "unexpected", f"{type(e).__name__} names no step, file or field: {e}", None
+        # a checksum mismatch is found after writing, so it leaves the engine invalid by design; any other
+        # error of a fault with ``keeps`` is found before the first write and leaves the engine as it was
+        if trial.keeps is not None and not isinstance(e, fmt.ChecksumMismatchError) \
+                and not (trial.rx.valid and same_weights(world, trial.engine, trial.keeps)):
             return "unexpected", f"{type(e).__name__} left the engine changed or invalid: {e}", None
         return "detected", type(e).__name__, None
     except Exception as e:  # noqa: BLE001 - what the campaign exists to find
@@ -389,12 +572,30 @@ def _classify(trial: Trial, world: World, call: Callable[[], Any]) -> tuple[str,
     return "detected", f"correct ({getattr(report, 'action', report)})", report
 
 
-def run_fault(fault: Fault, world: World, tmp: Path) -> Outcome:
-    """One fault, bounded in time (CASE_TIMEOUT_S) and checked for memory growth."""
+def _data_limit(mib: int):
+    """Let the data segment grow by at most ``mib`` MiB from now (soft ``RLIMIT_DATA``); the returned
+    function restores the limit. Nothing where the platform has no such limit."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        vm_data_kib = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+                           if line.startswith("VmData:"))
+    except (AttributeError, OSError, StopIteration, ValueError):
+        return lambda: None
+    limit = vm_data_kib * 1024 + (mib << 20)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    return lambda: resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
+def run_fault(fault: Fault, world: World, tmp: Path, backend: Any = TOY) -> Outcome:
+    """One fault against one receiver, bounded in time (CASE_TIMEOUT_S) and memory (CASE_DATA_LIMIT_MIB),
+    its peak memory growth measured."""
     t0 = time.perf_counter()
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    case = Case(world, tmp, np.random.default_rng(fault.seed))
+    case = Case(world, tmp, np.random.default_rng(fault.seed), backend=backend)
     cancel = _alarm(CASE_TIMEOUT_S)
+    unlimit = _data_limit(CASE_DATA_LIMIT_MIB)
     prefetch_ok, healed = True, False
     try:
         trial = fault.make(case)
@@ -420,11 +621,21 @@ def run_fault(fault: Fault, world: World, tmp: Path) -> Outcome:
     except CaseTimeout as e:
         result, detail = "hang", str(e)
     finally:
+        unlimit()
         cancel()
         for root in case.copies:
             shutil.rmtree(root, ignore_errors=True)
     growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
-    return Outcome(fault.name, fault.klass, result, detail, healed, time.perf_counter() - t0, growth, prefetch_ok)
+    return Outcome(fault.name, fault.klass, result, detail, healed, time.perf_counter() - t0, growth, prefetch_ok,
+                   backend.name)
+
+
+def assert_passed(outcome: Outcome) -> None:
+    """What every fault must come to: detected, prefetch within its contract, healed, bounded memory."""
+    assert outcome.result == "detected", outcome
+    assert outcome.prefetch_ok, f"prefetch raised past its contract: {outcome}"
+    assert outcome.healed, outcome
+    assert outcome.rss_growth_mib < CASE_RSS_GROWTH_MIB, outcome
 
 
 # ------------------------------------------------------------------------------------------ the faults
@@ -676,12 +887,13 @@ def f_a_dead_rank_summary_is_never_taken_for_the_new_attempts(case: Case) -> Tri
     # its rank 1 has written: it must wait past the dead summary for rank 1's own
     root = case.tmp / f"two-ranks-{len(case.copies)}"
     case.copies.append(root)
-    dead = Trainer(root, interval=10, rank=1, world=2, run_id="two", incarnation="dead")
+    dead = Trainer(root, interval=10, rank=1, world=2, run_id="two", incarnation="dead", kv_heads=1, model_kw=MODEL)
     with torch.no_grad():
         for p in dead.model.parameters():
             p.mul_(1.5)
     dead.pub.publish(1)  # rank 1 only: rank 0 of that incarnation died before finalizing
-    new = [Trainer(root, interval=10, rank=r, world=2, run_id="two", incarnation="new") for r in (0, 1)]
+    new = [Trainer(root, interval=10, rank=r, world=2, run_id="two", incarnation="new", kv_heads=1, model_kw=MODEL)
+           for r in (0, 1)]
     done: dict[str, Any] = {}
 
     def rank0():
@@ -697,7 +909,7 @@ def f_a_dead_rank_summary_is_never_taken_for_the_new_attempts(case: Case) -> Tri
     case.world.states["two", 1] = _snapshot(new[1])
     if "error" in done:
         raise done["error"]
-    engine, rx = make_receiver(root, case.world.cfg, done["m"])
+    engine, rx = case.receiver(root, manifest=done["m"])
 
     def op():
         m = rx.store.manifest(1)
@@ -771,27 +983,17 @@ for _pattern, _name in (("pair", TENSORS[0]), ("pair", TENSORS[2]), ("cubic", TE
 
 
 def _memory_edit(pattern: str, name: str):
-    """The engine's own memory is edited after a verified load (a stray write): a full re-check of
-    both checksums catches an edit the position-weighted one cannot see. (``name`` is held whole and
-    in checkpoint order by a one-worker engine, so the edit cancels in checkpoint positions too.)"""
+    """The engine's own memory is edited after a verified load (a stray write), at checkpoint positions
+    whose position-weighted changes cancel: a full re-check of both checksums (``DeltaReceiver.verify``
+    after ``recompute_shares``; ``VllmReceiver.check_weights``) catches what the position-weighted one cannot see."""
     def make(case: Case) -> Trial:
         root = case.store("A")
         engine, rx = case.receiver(root, at=7)
-        param = dict(engine.named_parameters())[name]
-        bits = as_bits(param.data)
-        u = unsigned(bits).numpy()
-        for k, dv in cancelling_positions(case.rng, u, pattern).items():
-            bits[k] = int(((u[k] + dv + (1 << 15)) % (1 << 16)) - (1 << 15))
-
-        def check():
-            rx.recompute_shares()
-            rx.verify(7)
-            return "verified"
-
-        def heal():
-            rx.valid = False
-            return rx.apply(7)
-        return Trial(rx, engine, check, "error", ("A", 7), errors=(fmt.ChecksumMismatchError,), heal=heal,
+        want = case.state("A", 7)
+        edit_held(rx, name, want, cancelling_positions(case.rng, _bits_of(want, name), pattern))
+        # the check failed, so the engine is invalid: the same call as any other update reloads and replays
+        return Trial(rx, engine, lambda: case.backend.verify_held(rx), "error", ("A", 7),
+                     errors=(fmt.ChecksumMismatchError,), heal=lambda: rx.apply(7),
                      match=r"checksum2 .*position-weighted checksum matched")
     return make
 
@@ -808,10 +1010,9 @@ def _trainer_edit(pattern: str, name: str):
     def make(case: Case) -> Trial:
         root = case.tmp / f"trainer-{len(case.copies)}"
         case.copies.append(root)
-        tr = Trainer(root, interval=10, run_id="edit")
+        tr = Trainer(root, interval=10, run_id="edit", kv_heads=1, model_kw=MODEL)
         m0 = tr.pub.publish(0)
-        engine, rx = make_receiver(root, case.world.cfg, m0)
-        rx.apply(0)
+        engine, rx = case.receiver(root, at=0, manifest=m0)
         tr.train_step()
         with torch.no_grad():
             bits = as_bits(dict(tr.model.named_parameters())[name].data)
@@ -856,10 +1057,10 @@ def _damage(step: int, held: int | None, damage, errors, expect: str = "error", 
                     shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
             for n, data in saved.items():
                 target = d / n
-                if target.is_symlink() or target.is_file():
-                    target.unlink()
-                elif target.is_dir():
+                if target.is_dir() and not target.is_symlink():
                     shutil.rmtree(target)
+                elif target.is_symlink() or target.exists():  # a link, a pipe, a file
+                    target.unlink()
                 target.write_bytes(data)
         op = (lambda: rx.apply(step)) if op_name == "apply" else rx.load_latest
         want = ("A", want_step if want_step is not None else step)
@@ -890,6 +1091,48 @@ FAULTS += [
     Fault("anchor-part-missing", "typed", _damage(6, None, _unlink("rank-00000.anchor"), (), expect="fallback",
                                                   want_step=7, op_name="load_latest")),
     Fault("marker-is-a-directory", "typed", _damage(6, 5, _to_dir(fmt.COMPLETE_NAME), (fmt.StepNotReadyError,))),
+]
+
+
+def _to_fifo(name):
+    # a named pipe where a file belongs: a reader that opened it would wait for a writer forever
+    def damage(case, root, d):
+        (d / name).unlink()
+        os.mkfifo(d / name)
+    return damage
+
+
+def _link_outside(name):
+    # the very bytes the step needs, through a link that leaves the step directory
+    def damage(case, root, d):
+        outside = case.tmp / f"outside-{len(case.copies)}-{name}"
+        case.copies.append(outside)
+        shutil.copy(d / name, outside)
+        (d / name).unlink()
+        os.symlink(outside, d / name)
+    return damage
+
+
+def _link_inside(name, other):
+    def damage(case, root, d):
+        (d / name).unlink()
+        os.symlink(other, d / name)
+    return damage
+
+
+FAULTS += [
+    Fault("manifest-is-a-named-pipe", "typed", _damage(6, 5, _to_fifo(fmt.MANIFEST_NAME), (fmt.MissingManifestError,))),
+    Fault("marker-is-a-named-pipe", "typed", _damage(6, 5, _to_fifo(fmt.COMPLETE_NAME), (fmt.StepNotReadyError,))),
+    Fault("delta-part-is-a-named-pipe", "typed", _damage(5, 4, _to_fifo("rank-00000.delta"), (fmt.MissingPartError,))),
+    Fault("anchor-part-is-a-named-pipe", "typed", _damage(6, None, _to_fifo("rank-00000.anchor"), (),
+                                                          expect="fallback", want_step=7, op_name="load_latest")),
+    Fault("manifest-links-outside-the-step", "typed", _damage(6, 5, _link_outside(fmt.MANIFEST_NAME),
+                                                              (fmt.ManifestPathError,))),
+    Fault("marker-links-outside-the-step", "typed", _damage(6, 5, _link_outside(fmt.COMPLETE_NAME),
+                                                            (fmt.ManifestPathError,))),
+    Fault("delta-part-links-to-the-steps-anchor", "typed",
+          _damage(6, 5, _link_inside("rank-00000.delta", "rank-00000.anchor"),
+                  (fmt.TruncatedFileError, fmt.WrongStepError))),
 ]
 
 

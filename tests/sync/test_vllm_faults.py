@@ -24,28 +24,11 @@ from fault_campaign import (
     step_dir,
     write_manifest_raw,
 )
-from vllm_helpers import Trainer, requires_vllm, start_engine
+from vllm_helpers import Trainer, held_differences, requires_vllm, start_engine
 
 from rltune.sync import format as fmt
 
 pytestmark = requires_vllm
-
-
-def _matches(worker, state: dict) -> list[str]:
-    """In the worker: the checkpoint tensors whose held elements differ from ``state`` (the trainer's)."""
-    from rltune.sync.kernels.reference import as_bits
-
-    sync = worker._rltune_state
-    params = [sync.params[n] for n in sync.index_map.param_names]
-    bad = []
-    for name, runs in sync.index_map.tensors.items():
-        src = as_bits(state[name].contiguous()).reshape(-1)
-        for cs, ln, pid, ps in zip(runs.ckpt_start.tolist(), runs.length.tolist(), runs.param.tolist(),
-                                   runs.param_start.tolist(), strict=True):
-            if not torch.equal(as_bits(params[pid].data)[ps:ps + ln].cpu(), src[cs:cs + ln]):
-                bad.append(name)
-                break
-    return bad
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +49,7 @@ def follow(tmp_path_factory):
         return step
 
     def holds(step):
-        bad = [b for worker in llm.collective_rpc(_matches, args=(states[step],)) for b in worker]
+        bad = [b for worker in llm.collective_rpc(held_differences, args=(states[step],)) for b in worker]
         assert not bad, f"the engine's {bad[:3]} differ from the trainer's step {step}"
 
     ctx.update(train=train, holds=holds)
