@@ -8,8 +8,9 @@ Sections (each reports min/median/max ms, GB/s and the ratio to its baseline):
 - checksum:  full checksum of 1 GiB vs a device copy of it (copy bandwidth counts read + write);
 - verify2:   the second checksum (checksum2, hash-weighted, two lanes mod 2^31 - 1): fused apply + verify of
              both checksums (what every engine update now runs) vs the position-weighted checksum alone vs
-             a plain ``index_put_`` scatter, at 1 % and 4 % changes into 1 GiB of bf16 (target: apply +
-             verify <= 1.5x the scatter); the full checksum2 of 1 GiB (anchor loads, the trainer's live
+             a plain ``index_put_`` scatter of the same changes measured in the same run, at 1 % and 4 %
+             changes into 1 and 4 GiB of bf16 (``--verify2-gib``; target: apply + verify <= 1.5x the
+             scatter at 1 %); the full checksum2 of the same weights (anchor loads, the trainer's live
              check) vs the full checksum and a copy; every result checked against the torch references;
 - step:      AdamW (fused) on ~0.5 B bf16 parameters: chunked step with the delta recorder vs a plain step;
 - adamw:     AdamW (fused) on 1 and 4 GiB of bf16 in 64 M-element parameters, changes in device memory:
@@ -21,7 +22,7 @@ Sections (each reports min/median/max ms, GB/s and the ratio to its baseline):
 Usage (GPU; one command, no input, fails loudly)::
 
     python bench/sync_kernels.py --out bench/results/sync_kernels_h200.json
-    python bench/sync_kernels.py --sections tune,apply,verify2 --out bench/results/sync_kernels_verify2-h200.json
+    python bench/sync_kernels.py --sections tune,verify2 --verify2-gib 1,4 --out bench/results/sync_kernels_verify2-h200.json
     python bench/sync_kernels.py --device cpu --tiny --out /tmp/sync_kernels_cpu.json   # smoke check
 """
 
@@ -455,6 +456,8 @@ def main() -> None:
     ap.add_argument("--sections", default="apply,verify2,diff,checksum,step,adamw")
     ap.add_argument("--adamw-gib", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4],
                     help="sizes of the adamw section, in GiB of bf16 parameters")
+    ap.add_argument("--verify2-gib", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4],
+                    help="sizes of the verify2 section, in GiB of bf16 weights")
     args = ap.parse_args()
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -479,7 +482,11 @@ def main() -> None:
     if "apply" in sections:
         record["apply"] = bench_apply(dev, timer, total, 8 if args.tiny else 64, [0.01, 0.04])
     if "verify2" in sections:
-        record["verify2"] = bench_verify2(dev, timer, total, 8 if args.tiny else 64, [0.01, 0.04])
+        # one row per size: the scatter baseline is measured again at each, on the same changes
+        record["verify2"] = [dict(gib=total * gib * 2 / GIB, **bench_verify2(dev, timer, total * gib, 8 if args.tiny else 64 * gib,
+                                                           [0.01, 0.04]))
+                             for gib in args.verify2_gib]
+        record["verify2_met"] = all(v["met"] for v in record["verify2"])
     if "diff" in sections:
         record["diff"] = bench_diff(dev, timer, total, chunk, [0.01, 0.04])
     if "checksum" in sections:
@@ -493,6 +500,13 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
     print(json.dumps(record, indent=1))
+    for v in record.get("verify2", []):
+        for r in v["apply"]:
+            print(f"verify2 {v['gib']:g} GiB, {r['fraction']:.0%} changes: scatter {r['index_put']['median_ms']:.3f} ms, "
+                  f"apply+verify both {r['apply_verify_both']['median_ms']:.3f} ms (x{r['ratio_both']:.2f}), "
+                  f"position-weighted only x{r['ratio_checksum']:.2f}", file=sys.stderr)
+        print(f"verify2 {v['gib']:g} GiB: full checksum2 {v['full']['checksum2']['GBps']:.0f} GB/s, "
+              f"{v['full']['checksum2_fraction_of_copy_bandwidth']:.0%} of copy; target met: {v['met']}", file=sys.stderr)
 
 
 if __name__ == "__main__":
