@@ -127,8 +127,12 @@ def _optimizer(model, lr: float, device: str) -> torch.optim.Optimizer:
 
 def _publisher(model, opt, root, interval: int, chunk_elements: int, device: str) -> DeltaPublisher:
     # the CPU path as recorded before (torch differ, host encoder); a GPU trainer's defaults on CUDA
-    differ = "auto" if device == "cuda" else "torch"
-    return DeltaPublisher(model, opt, root, interval=interval, differ=differ, chunk_elements=chunk_elements)
+    # AdamW moves every element of these small tensors: the kernels' change buffers must hold them all,
+    # or each step overflows and goes out as a full checkpoint (which prefetch does not stage)
+    if device == "cuda":
+        return DeltaPublisher(model, opt, root, interval=interval, differ="auto", chunk_elements=chunk_elements,
+                              change_capacity=1.0)
+    return DeltaPublisher(model, opt, root, interval=interval, differ="torch", chunk_elements=chunk_elements)
 
 
 def _receiver(root, engine, imap, device: str) -> DeltaReceiver:
@@ -167,7 +171,9 @@ def overheads(counts: list[int], roots: dict[str, Path], steps: int, elements: i
                     m = pub.publish(s)
                     _sync(device)
                     t1 = time.perf_counter()
-                    assert rx.prefetch(s)
+                    if not rx.prefetch(s):
+                        raise SystemExit(f"prefetch of step {s} ({t} tensors) staged nothing: manifest kind "
+                                         f"{m.get('kind')!r}, error {rx.last_prefetch_error}")
                     _sync(device)
                     t2 = time.perf_counter()
                     rep = rx.apply(s)
