@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-RATES_VERSION = 1  # raise with every change of a value (the H200 host rates replacing the CPU stand-ins: 2)
+RATES_VERSION = 2  # raise with every change of a value (2: the H200 host sweep of git e3265b8 replaces the CPU stand-ins)
 OUT = ROOT / "rltune" / "sync" / "data" / "rates.yaml"
 RESULTS = ROOT / "bench" / "results"
 # sync-bench records with the GPU encoder and the receiver staging on the device (git 50e783e onwards)
@@ -67,7 +67,9 @@ def _host_fits(record: dict) -> dict[str, list[float]]:
     """Host work against the number of tensors, from one sync_estimate_rates record's ``overheads``: per
     storage the line's slope and intercept, and the steepest slope between two neighbouring tensor counts
     (host work per tensor grows faster than linearly on the CPU, so the largest counts' segment bounds an
-    extrapolation to a real checkpoint's tensors)."""
+    extrapolation to a real checkpoint's tensors). The intercept is kept within [0, the smallest count's
+    whole call]: the least-squares line is set by the largest counts, and where the sweep bends (the H200's
+    16,384-tensor point lies below the line) its intercept exceeds what a whole call at 32 tensors took."""
     fits = record["overheads"]
     out: dict[str, list[float]] = {}
     for key, scale in (("publish_s", 1e3), ("prefetch_s", 1e3), ("apply_s", 1e6)):
@@ -77,7 +79,7 @@ def _host_fits(record: dict) -> dict[str, list[float]]:
             rows = sorted(fits[w]["rows"], key=lambda r: r["tensors"])
             slopes.append(max((b[key]["median"] - a[key]["median"]) / (b["tensors"] - a["tensors"])
                               for a, b in zip(rows, rows[1:], strict=False)) * scale)
-            calls.append(max(0.0, fits[w]["fit"][key]["per_call_s"]) * 1e3)
+            calls.append(min(max(0.0, fits[w]["fit"][key]["per_call_s"]), rows[0][key]["median"]) * 1e3)
         out[key + "_per_tensor"], out[key + "_per_call"] = slopes, calls
     return out
 
@@ -175,7 +177,9 @@ def build() -> dict:
                 if k in fits:
                     fits[k] += v
             h_src.append(dict(record=rel(f), git=short(d["git_sha"]), fields="overheads.{shm,disk}: the line over the "
-                              "tensors (publish_s, prefetch_s, apply_s) and its steepest segment; intercepts per call"))
+                              "tensors (publish_s, prefetch_s, apply_s) and its steepest segment; per call its "
+                              "intercept, within [0, the smallest count's median call] (H200 host, 64 elements a "
+                              "tensor, change buffers for every element: change_capacity=1.0)"))
         host_machine, pub_t, pub_c, pre_t, app_t, app_c = ("H200 host", fits["publish_s_per_tensor"],
                                                            fits["publish_s_per_call"], fits["prefetch_s_per_tensor"],
                                                            fits["apply_s_per_tensor"], fits["apply_s_per_call"])
@@ -217,7 +221,7 @@ def build() -> dict:
         app_src = [cpu_src(line % "apply_s"), *sb_src]
     rates["publish_per_call_ms"] = rate(pub_c, "ms per publish", host_machine,
                                         "publish()'s host work that does not grow with the tensors" +
-                                        ("" if h200 else " (0 in the range: the H200's 289-tensor runs put all of "
+                                        (" (at most a whole 32-tensor publish)" if h200 else " (0 in the range: the H200's 289-tensor runs put all of "
                                                          "it on the tensors)"), pub_src[:1])
     rates["publish_per_tensor_ms"] = rate(pub_t, "ms per tensor per rank", host_machine,
                                           "publish()'s host work per tensor (live-weight checksum, entry, framing)", pub_src)
@@ -226,7 +230,7 @@ def build() -> dict:
                                           pre_src)
     rates["update_host_per_call_ms"] = rate(app_c, "ms per update", host_machine,
                                             "the update's host work that does not grow with the tensors" +
-                                            ("" if h200 else " (0 in the range, as for publish_per_call_ms)"),
+                                            (" (at most a whole 32-tensor update)" if h200 else " (0 in the range, as for publish_per_call_ms)"),
                                             app_src[:1])
     rates["update_host_per_tensor_us"] = rate(app_t, "us per tensor held", host_machine,
                                               "the update's host work per tensor (plan, checks, verify loop)", app_src)

@@ -29,10 +29,11 @@ receiver as they are):
 - the host work of ``publish``, ``prefetch`` and the update grows with the tensors (per-tensor and
   per-entry rates from a sweep over the number of tensors: ``bench/sync_estimate_rates.py``).
 
-Each rate names the machine it was measured on. Until ``bench/sync_estimate_rates.py --device cuda``
-is recorded on the H200, the host rates of that sweep and the anchor load come from the 2-core CPU
-(machine ``CPU``): every output lists the rates it depends on (``inputs``) and, of those, the CPU
-stand-ins (``cpu_only_inputs``), and the CLI prints them beside each row.
+Each rate names the machine it was measured on. The host rates of that sweep are the H200 host's
+(``bench/sync_estimate_rates.py --device cuda``); a rate no H200 record measures yet (the anchor load:
+that run's anchor section did not finish) is the 2-core CPU's, machine ``CPU``: every output lists
+the rates it depends on (``inputs``) and, of those, the CPU stand-ins (``cpu_only_inputs``), and the
+CLI prints them beside each row.
 
 Example::
 
@@ -475,12 +476,13 @@ def estimate(spec: ModelSpec, rates: RatesFile) -> dict[str, Any]:
     notes = [
         "ranges: each output with every input at its min/max end (rates: rltune/sync/data/rates.yaml, "
         f"version {rates.rates_version}; changed fraction, storage and engine pause from the MODEL.yaml)",
-        "the GPU rates (diff, encode, apply + verify) are the H200's; the host decoder's is the H200 host's",
+        "the GPU rates (diff, encode, apply + verify) are the H200's; measured on the H200's host: "
+        + ", ".join(n for n in used if rates.rates[n].machine == "H200 host"),
     ]
     if cpu_only:
-        notes.append(f"measured on the 2-core CPU only, standing in for the H200 host until bench/sync_estimate_rates.py "
-                     f"--device cuda is recorded: {', '.join(cpu_only)}; every output that depends on one names it "
-                     "(cpu_only_inputs)")
+        notes.append(f"measured on the 2-core CPU only, standing in for the H200 host until a bench/sync_estimate_rates.py "
+                     f"--device cuda record measures it: {', '.join(cpu_only)}; every output that depends on one names "
+                     "it (cpu_only_inputs)")
     if "fp8" in by_dtype:
         notes.append("fp8: 1 byte an element on the wire and in anchors; the trainer's quantize-then-diff of fp8 "
                      "weights and fp8 value statistics were not measured (the bf16 diff rate and value term are used)")
