@@ -29,6 +29,9 @@ REFERENCE_KNOBS = {"rl_mode", "max_sample_age", "micro_batch_size", "packing", "
                    "reuse_rollout_logprobs", "engine_max_concurrency", "engine_batching", "num_engines",
                    "engine_compile", "sandbox_pool_size", "prebuilt_image", "sync_transport"}
 GPU_SPLIT_KNOBS = {"trainer_gpus", "rollout_gpus"}  # placement.*: only jobs of several GPUs map them
+# vLLM engine arguments (engine.vllm.*): only jobs whose workload runs vLLM engines map them
+VLLM_ENGINE_KNOBS = {"engine_max_concurrency", "engine_max_batched_tokens", "chunked_prefill", "prefix_caching",
+                     "kv_cache_dtype", "spec_tokens"}
 SEED_KNOBS = {"seed", "task_seed"}  # what 'rltune reward-check' sets (sampling) and holds (task order)
 
 
@@ -84,10 +87,11 @@ def test_job_preset_loads_and_its_knobs_are_the_workload_config_values(path):
     for knob, key in job.launch.knob_map.items():
         node = data
         for part in key.split("."):
-            node = getattr(node, part)
+            node = node[part] if isinstance(node, dict) else getattr(node, part)  # engine.vllm is a mapping
         # A run without overrides must be the job's baseline, or cases would record wrong knobs.
         assert node == job.knobs[knob], f"{path}: knob {knob}={job.knobs[knob]!r} but {config_path.name} {key}={node!r}"
-    assert set(job.knobs) <= REFERENCE_KNOBS | GPU_SPLIT_KNOBS | SEED_KNOBS
+    vllm = VLLM_ENGINE_KNOBS if data.engine.backend == "vllm" else set()
+    assert set(job.knobs) <= REFERENCE_KNOBS | GPU_SPLIT_KNOBS | SEED_KNOBS | vllm
     assert not (set(job.knobs) & GPU_SPLIT_KNOBS) or job.gpus.count >= 2
     assert job.launch.steps_override == "orchestrator.steps"
 

@@ -23,6 +23,7 @@ Example:
 
   rltune profile presets/cpu-demo.yaml --steps 6
   rltune profile job.yaml --set micro_batch_size=8 --out runs/mbs8
+  rltune profile job.yaml --vllm-metrics http://127.0.0.1:8000/metrics
   rltune profile --from-logs verl.log --format auto --rl-mode sync --out runs/verl-7b
 """
 
@@ -132,6 +133,7 @@ def register(app: typer.Typer) -> None:
         run_id: Optional[str] = typer.Option(None, "--run-id", help="with --from-logs: the run to diagnose when the logs hold several"),  # noqa: UP045
         warmup: int = typer.Option(1, "--warmup", min=0, help="with --from-logs: first steps marked warm-up and left out of medians"),
         as_json: bool = typer.Option(False, "--json", help="print a machine-readable summary on stdout"),
+        vllm_metrics: Optional[str] = typer.Option(None, "--vllm-metrics", help="a vLLM /metrics URL to scrape once per step while the job runs; its engine figures fill the engine columns the job's own metrics leave empty (sets the job's metrics.vllm_metrics_url)"),  # noqa: UP045
     ) -> None:
         from rltune.errors import RltuneError
 
@@ -139,8 +141,16 @@ def register(app: typer.Typer) -> None:
             raise RltuneError("give either JOB.yaml or --from-logs PATH (not both); see 'rltune profile --help'")
         if log_format not in FORMAT_CHOICES:
             raise RltuneError(f"--format {log_format!r}: expected one of {', '.join(FORMAT_CHOICES)}")
+        if vllm_metrics is not None:
+            if from_logs is not None:
+                raise RltuneError("--vllm-metrics scrapes a live engine while rltune runs the job; a log read with "
+                                  "--from-logs has no run to scrape alongside (read a saved /metrics file with "
+                                  "--from-logs FILE --format vllm)")
+            if not vllm_metrics.startswith(("http://", "https://")):
+                raise RltuneError(f"--vllm-metrics {vllm_metrics!r}: expected an http(s) URL, e.g. "
+                                  "http://127.0.0.1:8000/metrics")
         if job is not None:
-            run = _run_job(job, steps, out, _parse_sets(sets), library)
+            run = _run_job(job, steps, out, _parse_sets(sets), library, vllm_metrics)
         else:
             if library is not None:
                 raise RltuneError("--library records runs rltune launched; a log read with --from-logs has no job.yaml "
@@ -151,7 +161,7 @@ def register(app: typer.Typer) -> None:
         _print_summary(run.diagnosis, run.report if from_logs else None, run.run_dir, run.warnings)
 
 
-def _run_job(job_path: Path, steps, out, overrides: dict, library: Path | None):
+def _run_job(job_path: Path, steps, out, overrides: dict, library: Path | None, vllm_metrics: str | None = None):
     import sys
 
     from rltune.contracts.job import load_job
@@ -159,12 +169,14 @@ def _run_job(job_path: Path, steps, out, overrides: dict, library: Path | None):
     from rltune.profile import profile_job
 
     job = load_job(job_path)
+    if vllm_metrics is not None:
+        job.metrics.vllm_metrics_url = vllm_metrics  # recorded in the run's resolved job.yaml
     run_dir = out if out is not None else new_run_dir(job.name)
 
     def echo(line: str) -> None:
         print(f"  | {line}", file=sys.stderr)
 
-    run = profile_job(job_path, run_dir, steps=steps, overrides=overrides or None, on_output=echo)
+    run = profile_job(job_path, run_dir, steps=steps, overrides=overrides or None, on_output=echo, job=job)
     if library is not None:
         from rltune.predict.library import CaseLibrary
         from rltune.tune.trial import record_case

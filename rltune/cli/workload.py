@@ -26,6 +26,9 @@ Example:
 
 CHECK_HELP = """Validate a config (with overrides) and count the model's parameters without building weights.
 
+With engine.backend: vllm, vLLM itself checks the engine arguments (nothing starts) and the
+summary holds what it resolved (max_num_seqs, block_size, ...).
+
 Example:
 
   rltune workload check presets/workload/small-math.yaml
@@ -95,8 +98,13 @@ def register(app: typer.Typer) -> None:
         from rltune.workload.model import count_parameters
 
         cfg = load_workload_config(config, overrides or [])
-        print(json.dumps({"config": config, "name": cfg.name, "preset": cfg.model.preset,
-                          "params": count_parameters(cfg.model.preset), "batch_size": cfg.batch_size,
-                          "rl_mode": cfg.orchestrator.rl_mode}))
+        summary = {"config": config, "name": cfg.name, "preset": cfg.model.preset,
+                   "params": count_parameters(cfg.model.preset), "batch_size": cfg.batch_size,
+                   "rl_mode": cfg.orchestrator.rl_mode}
+        if cfg.engine.backend == "vllm":
+            from rltune.workload.engine_vllm import check_engine_args
+
+            summary["vllm"] = check_engine_args(cfg, config)  # vLLM's own validation and resolved defaults
+        print(json.dumps(summary))
 
     app.add_typer(workload, name="workload")

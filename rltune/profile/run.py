@@ -218,9 +218,16 @@ def record_run(job_path: str | Path, run_dir: str | Path, *, job: JobSpec | None
 
 def profile_job(job_path: str | Path, run_dir: str | Path, steps: int | None = None,
                 overrides: dict[str, KnobValue] | None = None,
-                on_output: Callable[[str], None] | None = None) -> RecordedRun:
-    """:func:`record_run` for ``rltune profile``: a failed job raises, with what was saved and its log tail."""
-    run = record_run(job_path, run_dir, overrides=overrides, steps=steps, on_output=on_output)
+                on_output: Callable[[str], None] | None = None, job: JobSpec | None = None) -> RecordedRun:
+    """:func:`record_run` for ``rltune profile``: a failed job raises, with what was saved and its log tail.
+
+    ``job``: the job file's contents as changed by the caller (``--vllm-metrics`` sets its metrics URL).
+    """
+    from rltune.workload.jobcheck import check_workload_job
+
+    # a reference-workload job whose config the workload (or vLLM) would refuse: one line, before it starts
+    check_workload_job(job if job is not None else load_job(job_path), job_path, overrides, steps)
+    run = record_run(job_path, run_dir, job=job, overrides=overrides, steps=steps, on_output=on_output)
     if run.ok:
         return run
     if run.cause in ("no_metrics", "unreadable_metrics"):

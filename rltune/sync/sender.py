@@ -532,7 +532,8 @@ class DeltaPublisher:
                     continue
                 idx = torch.cat([p[0] for p in pieces])
                 diff = torch.cat([p[1] for p in pieces])
-            bits = wire_width(self._bits(name)) if hi > lo else 16
+            # the element width from the wire dtype: casting the whole tensor to read it cost more than the encoding
+            bits = self._wire_dtype(name).itemsize * 8 if hi > lo else 16
             names.append(name)
             jobs.append((idx.to(torch.int64), diff.to(torch.int64), bits, lo, hi))
         blobs = self._encode(jobs)

@@ -168,7 +168,11 @@ class AutoLoop:
     def run(self) -> AutoResult:
         from rltune.predict.library import CaseLibrary
         from rltune.tune.knowledge import load_default_knowledge
+        from rltune.workload.jobcheck import check_workload_job
 
+        # the job as written must start: a reference-workload job the workload (or vLLM) refuses is one line
+        # here, not a crashed baseline (a candidate vLLM refuses later is a failed trial, and the loop goes on)
+        check_workload_job(self.job, self.job_path, None, self.steps)
         knowledge = load_default_knowledge(self.knowledge_path)
         library = CaseLibrary(self.library_path)
         events = self.journal.events()

@@ -29,9 +29,15 @@ def run(config_path_or_obj: str | os.PathLike | WorkloadConfig, run_dir: str | o
     from rltune.workload.config import WorkloadConfig, config_from_data, load_workload_config
 
     if isinstance(config_path_or_obj, WorkloadConfig):
-        cfg = config_from_data(copy.deepcopy(to_data(config_path_or_obj)), "<config object>", overrides)
+        file = "<config object>"
+        cfg = config_from_data(copy.deepcopy(to_data(config_path_or_obj)), file, overrides)
     else:
+        file = str(config_path_or_obj)
         cfg = load_workload_config(config_path_or_obj, overrides)
+    if cfg.engine.backend == "vllm":
+        from rltune.workload.engine_vllm import check_engine_args
+
+        check_engine_args(cfg, file)  # vLLM's own validation, before any process starts
     if cfg.trainer.launcher == "torchrun":
         from rltune.workload.launch import run_under_torchrun
 

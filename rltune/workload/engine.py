@@ -419,7 +419,13 @@ def _drop_stdlib_shadows() -> None:
 
 
 def engine_main(index: int, settings: EngineSettings, in_queue, out_queue) -> None:
-    """Entry point of an engine process."""
+    """Entry point of an engine process (a vLLM engine's, :mod:`rltune.workload.engine_vllm`, for its settings)."""
+    if getattr(settings, "backend", "hf") == "vllm":
+        _drop_stdlib_shadows()
+        from rltune.workload.engine_vllm import engine_main as vllm_engine_main
+
+        vllm_engine_main(index, settings, in_queue, out_queue)
+        return
     try:
         _drop_stdlib_shadows()
         engine = Engine(index, settings, out_queue)

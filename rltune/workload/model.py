@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, max_position_embeddings=1024),
+    # mini: big enough on a CPU that moving whole weights costs more than the fixed costs of a sync
+    "mini": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=4, head_dim=64, max_position_embeddings=1024),
     "small": dict(hidden_size=1280, intermediate_size=4096, num_hidden_layers=26, num_attention_heads=20,
                   num_key_value_heads=4, head_dim=64, max_position_embeddings=4096),
 }

@@ -79,17 +79,29 @@ class _Job:
         self.publisher = make_workload_publisher(cfg, run_dir, trainer)
         if self.publisher.drives_optimizer_step:
             trainer.trainer.optimizer_step = self.publisher.optimizer_step
-        settings = EngineSettings(
-            preset=cfg.model.preset, seed=cfg.model.seed, dtype=cfg.model.engine_dtype,
-            device=resolve_device(cfg.engine.device), attn_implementation=cfg.model.attn_implementation,
-            max_concurrent_seqs=cfg.engine.max_concurrent_seqs, batching=cfg.engine.batching,
-            kv_cache_tokens=cfg.engine.kv_cache_tokens, compile=cfg.engine.compile,
-            num_threads=cfg.engine.num_threads, sample_seed=cfg.orchestrator.seed,
-            loader=self.publisher.loader())
+        if cfg.engine.backend == "vllm":
+            from rltune.workload import engine_vllm
+            from rltune.workload.model import torch_dtype
+
+            boot = engine_vllm.write_boot_checkpoint(trainer.module, run_dir / "engine-boot",
+                                                     torch_dtype(cfg.model.engine_dtype))
+            settings = engine_vllm.settings_for(cfg, run_dir, boot, self.publisher.loader())
+        else:
+            settings = EngineSettings(
+                preset=cfg.model.preset, seed=cfg.model.seed, dtype=cfg.model.engine_dtype,
+                device=resolve_device(cfg.engine.device), attn_implementation=cfg.model.attn_implementation,
+                max_concurrent_seqs=cfg.engine.max_concurrent_seqs, batching=cfg.engine.batching,
+                kv_cache_tokens=cfg.engine.kv_cache_tokens, compile=cfg.engine.compile,
+                num_threads=cfg.engine.num_threads, sample_seed=cfg.orchestrator.seed,
+                loader=self.publisher.loader())
         from rltune.workload.placement import place, visible_gpus
 
         devices = place(cfg, visible_gpus(), settings.device, settings.device).engines
         self.client = EngineClient(settings, cfg.engine.num_engines, devices=devices)
+        # vLLM engines: the step's engine columns are increments of vLLM's own counters since here
+        self.engine_metrics = None
+        if cfg.engine.backend == "vllm":
+            self.engine_metrics = engine_vllm.VllmStepMetrics([s["vllm"] for s in self.client.stats()])
         self.rollout = Rollout(cfg, self.client, workdir=None)
         self.writer = MetricsWriter(run_dir / "metrics.jsonl")
         self.engine_version = 0
@@ -112,6 +124,11 @@ class _Job:
         for key in ("delta_bytes", "anchor_bytes"):
             if key in published.details:
                 out[f"sync_{key}"] = published.details[key]
+        if all("changes_applied" in x for x in loads):  # sparse deltas: elements each engine patched
+            out["sync_changes"] = max(x["changes_applied"] for x in loads)
+        for key in ("read_s", "write_s"):  # vLLM engines: reading + decoding the delta, patching the weights
+            if all(key in x for x in loads):
+                out[f"sync_{key}_max"] = max(x[key] for x in loads)
         return out
 
     def train(self, groups: list[Group]) -> tuple[dict[str, float], list[int]]:
@@ -131,6 +148,7 @@ class _Job:
         engine_stats = self.client.stats()
         gen_tokens = sum(t.gen_tokens for t in trajs)
         tool_use = self.cfg.env.kind == "tool_use"
+        engine = self.engine_columns(engine_stats, trajs)
         rec: dict[str, Any] = {
             "step": step,
             "step_s": now - self.last_step_end,
@@ -139,11 +157,11 @@ class _Job:
             "weight_sync_s": sync["weight_sync_s"],
             "old_logprob_s": train["old_logprob_s"],
             "wait_s": wait_s,
-            "engine_queue_s": _mean([x for t in trajs for x in t.queue_s]),
-            "engine_prefill_s": _mean([x for t in trajs for x in t.prefill_s]),
-            "engine_decode_s": _mean([x for t in trajs for x in t.decode_s]),
-            "engine_preemptions": float(sum(s["preemptions"] for s in engine_stats)),
-            "kv_cache_usage": max(s["kv_peak_frac"] for s in engine_stats),
+            "engine_queue_s": engine["engine_queue_s"],
+            "engine_prefill_s": engine["engine_prefill_s"],
+            "engine_decode_s": engine["engine_decode_s"],
+            "engine_preemptions": engine["engine_preemptions"],
+            "kv_cache_usage": engine["kv_cache_usage"],
             "gen_tokens": float(gen_tokens),
             "sandbox_setup_s": _mean([t.setup_s for t in trajs if t.setup_s is not None]) if tool_use else None,
             "sandbox_exec_s": _mean([t.exec_s for t in trajs if t.exec_s is not None]) if tool_use else None,
@@ -165,11 +183,12 @@ class _Job:
             "loss": train["loss"],
             "clip_frac": train["clip_frac"],
             "micro_batches": train["micro_batches"],
-            "engine_busy_s": sum(s["busy_s"] for s in engine_stats),
-            "engine_decode_steps": float(sum(s["forward_steps"] for s in engine_stats)),
-            "engine_gen_tokens": float(sum(s["gen_tokens"] for s in engine_stats)),
+            "engine_busy_s": engine.get("engine_busy_s"),
+            "engine_decode_steps": engine.get("engine_decode_steps"),
+            "engine_gen_tokens": engine.get("engine_gen_tokens"),
             "turns_mean": _mean([float(t.turns) for t in trajs]),
         }
+        rec.update({k: v for k, v in engine.items() if k not in rec})
         if tool_use:
             rec["sandbox_kills"] = float(sum(t.sandbox_kills for t in trajs))
             # Mean time a trial waited for a free sandbox (pool_size too small shows here first).
@@ -180,6 +199,21 @@ class _Job:
             rec.update(self.extra_first)
         self.writer.write(rec)
         self.last_step_end = now
+
+    def engine_columns(self, engine_stats: list[dict], trajs: list) -> dict[str, Any]:
+        """The step's engine columns: vLLM's own counters (vLLM engines), else the HF engines' and the trials' figures."""
+        if self.engine_metrics is not None:
+            return self.engine_metrics.columns(engine_stats)
+        return {
+            "engine_queue_s": _mean([x for t in trajs for x in t.queue_s]),
+            "engine_prefill_s": _mean([x for t in trajs for x in t.prefill_s]),
+            "engine_decode_s": _mean([x for t in trajs for x in t.decode_s]),
+            "engine_preemptions": float(sum(s["preemptions"] for s in engine_stats)),
+            "kv_cache_usage": max(s["kv_peak_frac"] for s in engine_stats),
+            "engine_busy_s": sum(s["busy_s"] for s in engine_stats),
+            "engine_decode_steps": float(sum(s["forward_steps"] for s in engine_stats)),
+            "engine_gen_tokens": float(sum(s["gen_tokens"] for s in engine_stats)),
+        }
 
     @staticmethod
     def wait_groups(futures: list) -> tuple[list[Group], float]:

@@ -110,6 +110,23 @@ def test_checksum2_shares_of_a_partition_add_up_lane_by_lane():
     assert total == whole and R.checksum2_scale(whole, 2) == R.checksum2_add(whole, whole)
 
 
+@pytest.mark.parametrize("width", [16, 32, 8])
+@pytest.mark.parametrize("n", AWKWARD_SIZES)
+def test_the_compiled_cpu_checksums_equal_the_references(n, width):
+    from rltune.sync.kernels.cpu_kernels import checksum2_cpu, checksum_cpu
+
+    bits = random_bits(n, width, seed=2 * n + width, device="cpu")
+    for offset in (0, 3, (1 << 32) - 3, (1 << 40) + 7, (1 << 62) + 11):  # products and sums past 2^64 wrap as the reference's
+        assert checksum_cpu(bits, offset) == R.checksum_ref(bits, offset) == K.checksum(bits, offset)
+        assert checksum2_cpu(bits, offset) == R.checksum2_ref(bits, offset) == K.checksum2(bits, offset)
+    if n > 1:
+        assert checksum_cpu(bits[1:], 1) == R.checksum_ref(bits[1:], 1)  # a slice's share, as the publisher takes it
+        assert checksum2_cpu(bits[1:], 1) == R.checksum2_ref(bits[1:], 1)
+    full = torch.full((4097,), -1, dtype=BITS[width])  # every element at its largest unsigned value
+    assert checksum_cpu(full, (1 << 62) - 5) == R.checksum_ref(full, (1 << 62) - 5)
+    assert checksum2_cpu(full, (1 << 40) - 5) == R.checksum2_ref(full, (1 << 40) - 5)
+
+
 def test_checksum_of_a_float_tensor_uses_its_wire_bits():
     t = torch.randn(3000, dtype=torch.bfloat16).to(DEVICE)
     assert K.checksum(t, backend="triton") == R.checksum_ref(R.as_bits(t.cpu()))

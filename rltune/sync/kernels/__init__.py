@@ -103,17 +103,32 @@ def _checksum_device(t: torch.Tensor, offset: int) -> torch.Tensor:
     return _triton().checksum_partials(bits, offset, _MASK_OF_BITS[bits.dtype]).sum()
 
 
+def _compiled_cpu(name: str, t: torch.Tensor, offset: int) -> int | None:
+    """A checksum of CPU bits by the compiled pass of :mod:`.cpu_kernels` (equal to the reference bit
+    for bit, ~100 x faster), or None where it does not apply (another device, no numba)."""
+    bits = _bits(t)
+    if bits.device.type != "cpu" or bits.dtype not in (torch.int16, torch.int32, torch.uint8):
+        return None
+    try:
+        from rltune.sync.kernels import cpu_kernels
+    except ImportError:
+        return None
+    return getattr(cpu_kernels, name)(bits.contiguous(), offset)
+
+
 def checksum(t: torch.Tensor, offset: int = 0, backend: str = "auto") -> int:
     """Position-weighted checksum of a tensor's wire bits (or of a bits view), as ``checksum_ref``."""
     if not _use_triton(t.device, backend):
-        return checksum_ref(_bits(t), offset)
+        compiled = _compiled_cpu("checksum_cpu", t, offset)
+        return checksum_ref(_bits(t), offset) if compiled is None else compiled
     return int(_checksum_device(t, offset)) & MASK64
 
 
 def checksum2(t: torch.Tensor, offset: int = 0, backend: str = "auto") -> int:
     """Packed second checksum of a tensor's wire bits (or of a bits view), as ``checksum2_ref``."""
     if not _use_triton(t.device, backend):
-        return checksum2_ref(_bits(t), offset)
+        compiled = _compiled_cpu("checksum2_cpu", t, offset)
+        return checksum2_ref(_bits(t), offset) if compiled is None else compiled
     bits = _bits(t)
     lanes = _triton().checksum2_partials(bits, offset, _MASK_OF_BITS[bits.dtype]).sum(dim=1).tolist()
     return checksum2_pack(int(lanes[0]) % P31, int(lanes[1]) % P31)
