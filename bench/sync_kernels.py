@@ -6,6 +6,12 @@ Sections (each reports min/median/max ms, GB/s and the ratio to its baseline):
              of 1 % and 4 % changes into 1 GiB of bf16 vs a plain ``index_put_`` scatter of the same changes;
 - diff:      diff/extract of 1 GiB of bf16 in 64 M-element chunks vs ``torch.nonzero(a != b)``;
 - checksum:  full checksum of 1 GiB vs a device copy of it (copy bandwidth counts read + write);
+- verify2:   the second checksum (checksum2, hash-weighted, two lanes mod 2^31 - 1): fused apply + verify of
+             both checksums (what every engine update now runs) vs the position-weighted checksum alone vs
+             a plain ``index_put_`` scatter of the same changes measured in the same run, at 1 % and 4 %
+             changes into 1 and 4 GiB of bf16 (``--verify2-gib``; target: apply + verify <= 1.5x the
+             scatter at 1 %); the full checksum2 of the same weights (anchor loads, the trainer's live
+             check) vs the full checksum and a copy; every result checked against the torch references;
 - step:      AdamW (fused) on ~0.5 B bf16 parameters: chunked step with the delta recorder vs a plain step;
 - adamw:     AdamW (fused) on 1 and 4 GiB of bf16 in 64 M-element parameters, changes in device memory:
              the plain step vs the chunked step with the diff staged around each update (a copy before,
@@ -16,6 +22,7 @@ Sections (each reports min/median/max ms, GB/s and the ratio to its baseline):
 Usage (GPU; one command, no input, fails loudly)::
 
     python bench/sync_kernels.py --out bench/results/sync_kernels_h200.json
+    python bench/sync_kernels.py --sections tune,verify2 --verify2-gib 1,4 --out bench/results/sync_kernels_verify2-h200.json
     python bench/sync_kernels.py --device cpu --tiny --out /tmp/sync_kernels_cpu.json   # smoke check
 """
 
@@ -37,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rltune.sync import kernels as K  # noqa: E402
 from rltune.sync.chunked import DeltaRecorder, chunked_step  # noqa: E402
-from rltune.sync.kernels.reference import MASK64, as_bits  # noqa: E402
+from rltune.sync.kernels.reference import MASK64, P31, as_bits  # noqa: E402
 
 GIB = 1 << 30
 
@@ -134,6 +141,81 @@ def bench_apply(dev, timer, total, tensors, fractions) -> list[dict]:
                         ratio_apply=fused["median_ms"] / scatter["median_ms"],
                         ratio_apply_verify=fused_verify["median_ms"] / scatter["median_ms"]))
     return out
+
+
+def bench_verify2(dev, timer, total, tensors, fractions) -> dict:
+    """The engine update with both checksums against the position-weighted one alone and the scatter.
+
+    Each arm is one fused apply (new bits written in place, as the ``apply`` section) followed by what
+    ``DeltaReceiver._apply_fused`` does with its result: one host sync, the running checksums of every
+    entry moved by its changes and compared with the trainer's. After the first application the state
+    is fixed, so the trainer's checksums (computed once, in full) are what every later one must match.
+    """
+    from rltune.sync.kernels import reference as R
+
+    per = total // tensors
+    flat = torch.randn(per * tensors, device=dev).to(torch.bfloat16)
+    params = list(as_bits(flat).view(tensors, per).unbind(0))
+    plan = K.ApplyPlan(params, [K.strided_layout(t, [per]) for t in range(tensors)])
+    entry_tensor = torch.arange(tensors, device=dev)
+    flat_bits = as_bits(flat)
+    rows = []
+    for fraction in fractions:
+        idx, gidx, offsets, vals = random_changes([per] * tensors, fraction, dev, seed=int(fraction * 1e4) + 1)
+        val32 = vals.to(torch.int32)
+        scatter = timer(lambda gidx=gidx, vals=vals: flat_bits.index_put_((gidx,), vals))
+        first = plan.apply(entry_tensor, offsets, idx, val32, add=False, mix=True)
+        first.to_numpy()
+        c1 = np.array([K.checksum(p) for p in params], dtype=np.uint64)
+        c2 = np.array([R.checksum2_lanes(K.checksum2(p)) for p in params], dtype=np.int64)  # [E, 2]
+
+        def verify_c1(idx=idx, val32=val32, offsets=offsets, c1=c1):
+            sums = plan.apply(entry_tensor, offsets, idx, val32, add=False).to_numpy()
+            if not np.array_equal(c1 + sums[0].view(np.uint64), c1) or int(sums[1].sum()) != idx.numel():
+                raise RuntimeError("running checksums after apply differ from the trainer's")
+
+        def verify_both(idx=idx, val32=val32, offsets=offsets, c1=c1, c2=c2):
+            sums = plan.apply(entry_tensor, offsets, idx, val32, add=False, mix=True).to_numpy()
+            if not np.array_equal(c1 + sums[0].view(np.uint64), c1) or int(sums[1].sum()) != idx.numel() \
+                    or not np.array_equal((c2[:, 0] + sums[2]) % P31, c2[:, 0]) \
+                    or not np.array_equal((c2[:, 1] + sums[3]) % P31, c2[:, 1]):
+                raise RuntimeError("running checksum2 after apply differs from the trainer's")
+
+        only_c1 = timer(verify_c1)
+        both = timer(verify_both)
+        # exactness at this size: from a fresh copy, the kernel's checksum2 changes equal the reference's
+        # and the full checksum2 after it equals the running one
+        ref = [p.clone() for p in params]
+        got = K.ApplyPlan(ref, [K.strided_layout(t, [per]) for t in range(tensors)]).apply(
+            entry_tensor, offsets, idx, val32 + 1, add=True, mix=True)
+        want = R.apply_deltas_ref([p.clone() for p in params], [K.strided_layout(t, [per]) for t in range(tensors)],
+                                  entry_tensor, offsets, idx, val32 + 1, True, mix=True)
+        if got.checksums2() != want[2] or got.checksums() != want[0]:
+            raise RuntimeError("fused apply's checksum2 changes differ from apply_deltas_ref at benchmark size")
+        for t in (0, tensors - 1):
+            running = R.checksum2_add(K.checksum2(params[t]), want[2][t])
+            if running != K.checksum2(ref[t]):
+                raise RuntimeError("running checksum2 differs from a full recompute at benchmark size")
+        moved = idx.numel() * (8 + 2 + 2)
+        rows.append(dict(fraction=fraction, changes=idx.numel(), tensors=tensors, bytes_param=total * 2,
+                         index_put=with_rate(scatter, moved), apply_verify_checksum=with_rate(only_c1, moved),
+                         apply_verify_both=with_rate(both, moved),
+                         ratio_checksum=only_c1["median_ms"] / scatter["median_ms"],
+                         ratio_both=both["median_ms"] / scatter["median_ms"],
+                         checksum2_cost_ms=both["median_ms"] - only_c1["median_ms"], exact=True))
+    src = flat
+    dst = torch.empty_like(src)
+    copy = with_rate(timer(lambda: dst.copy_(src)), total * 4)
+    full1 = with_rate(timer(lambda: K.checksum(flat_bits)), total * 2)
+    full2 = with_rate(timer(lambda: K.checksum2(flat_bits)), total * 2)
+    sample = flat_bits[: 1 << 24]
+    if K.checksum2(sample, offset=12345) != R.checksum2_ref(sample, 12345):
+        raise RuntimeError("checksum2 kernel differs from checksum2_ref at benchmark size")
+    return dict(apply=rows, full=dict(elements=total, copy=copy, checksum=full1, checksum2=full2,
+                                      checksum2_vs_checksum=full2["median_ms"] / full1["median_ms"],
+                                      checksum2_fraction_of_copy_bandwidth=full2["GBps"] / copy["GBps"]),
+                target="apply + verify of both checksums <= 1.5x the scatter",
+                met=all(r["ratio_both"] <= 1.5 for r in rows if r["fraction"] == 0.01))
 
 
 def bench_diff(dev, timer, total, chunk, fractions) -> list[dict]:
@@ -371,9 +453,11 @@ def main() -> None:
     ap.add_argument("--out", required=True, type=Path, help="JSON record to write")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--git-sha", default=None, help="commit measured (default: git rev-parse HEAD)")
-    ap.add_argument("--sections", default="apply,diff,checksum,step,adamw")
+    ap.add_argument("--sections", default="apply,verify2,diff,checksum,step,adamw")
     ap.add_argument("--adamw-gib", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4],
                     help="sizes of the adamw section, in GiB of bf16 parameters")
+    ap.add_argument("--verify2-gib", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4],
+                    help="sizes of the verify2 section, in GiB of bf16 weights")
     args = ap.parse_args()
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -397,6 +481,12 @@ def main() -> None:
         record["launch_config"] = set_launch_config({})
     if "apply" in sections:
         record["apply"] = bench_apply(dev, timer, total, 8 if args.tiny else 64, [0.01, 0.04])
+    if "verify2" in sections:
+        # one row per size: the scatter baseline is measured again at each, on the same changes
+        record["verify2"] = [dict(gib=total * gib * 2 / GIB, **bench_verify2(dev, timer, total * gib, 8 if args.tiny else 64 * gib,
+                                                           [0.01, 0.04]))
+                             for gib in args.verify2_gib]
+        record["verify2_met"] = all(v["met"] for v in record["verify2"])
     if "diff" in sections:
         record["diff"] = bench_diff(dev, timer, total, chunk, [0.01, 0.04])
     if "checksum" in sections:
@@ -410,6 +500,13 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
     print(json.dumps(record, indent=1))
+    for v in record.get("verify2", []):
+        for r in v["apply"]:
+            print(f"verify2 {v['gib']:g} GiB, {r['fraction']:.0%} changes: scatter {r['index_put']['median_ms']:.3f} ms, "
+                  f"apply+verify both {r['apply_verify_both']['median_ms']:.3f} ms (x{r['ratio_both']:.2f}), "
+                  f"position-weighted only x{r['ratio_checksum']:.2f}", file=sys.stderr)
+        print(f"verify2 {v['gib']:g} GiB: full checksum2 {v['full']['checksum2']['GBps']:.0f} GB/s, "
+              f"{v['full']['checksum2_fraction_of_copy_bandwidth']:.0%} of copy; target met: {v['met']}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,16 @@ import pytest
 from rltune.contracts.job import load_job
 from rltune.contracts.knowledge import load_knowledge
 from rltune.sync.bench import load_sync_bench_config
+from rltune.sync.bench.readers import load_readers_config
+from rltune.sync.estimate import load_model_spec
 from rltune.workload.config import load_workload_config
 
 PRESETS = Path(__file__).resolve().parents[1] / "presets"
 ALL = sorted(p for p in PRESETS.rglob("*") if p.is_file())
 WORKLOAD_CONFIGS = sorted((PRESETS / "workload").glob("*.yaml"))
 SYNC_BENCH = sorted((PRESETS / "sync").glob("*.yaml"))
+SYNC_READERS = sorted((PRESETS / "sync" / "readers").glob("*.yaml"))
+SYNC_ESTIMATE = sorted((PRESETS / "sync" / "estimate").rglob("*.yaml"))
 JOBS = sorted(PRESETS.glob("*.yaml")) + sorted((PRESETS / "tuned").glob("*.yaml"))
 JOBS = [p for p in JOBS if p.name != "knowledge.yaml"]
 # Jobs of the reference workload (rltune dialect); the framework jobs (TRL, verl, prime-rl) are checked
@@ -32,7 +36,8 @@ SEED_KNOBS = {"seed", "task_seed"}  # what 'rltune reward-check' sets (sampling)
 
 
 def test_every_preset_file_has_a_loader():
-    known = set(WORKLOAD_CONFIGS) | set(JOBS) | set(SYNC_BENCH) | {PRESETS / "knowledge.yaml"}
+    known = set(WORKLOAD_CONFIGS) | set(JOBS) | set(SYNC_BENCH) | set(SYNC_READERS) | set(SYNC_ESTIMATE) | \
+        {PRESETS / "knowledge.yaml"}
     assert [p for p in ALL if p not in known] == []
     assert len(REFERENCE_JOBS) >= 3 and len(WORKLOAD_CONFIGS) >= 2
 
@@ -41,6 +46,18 @@ def test_every_preset_file_has_a_loader():
 def test_sync_bench_preset_loads(path):
     cfg = load_sync_bench_config(path)
     assert cfg.steps >= 1
+
+
+@pytest.mark.parametrize("path", SYNC_READERS, ids=lambda p: p.name)
+def test_sync_readers_preset_loads(path):
+    cfg = load_readers_config(path)
+    assert cfg.readers and cfg.steps >= 1
+
+
+@pytest.mark.parametrize("path", SYNC_ESTIMATE, ids=lambda p: p.name)
+def test_sync_estimate_model_loads(path):
+    spec = load_model_spec(path)
+    assert spec.params_total >= spec.params_active and spec.tensors >= 1
 
 
 @pytest.mark.parametrize("path", WORKLOAD_CONFIGS, ids=lambda p: p.name)

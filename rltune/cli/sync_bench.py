@@ -20,6 +20,19 @@ Example:
   rltune sync-bench --preset cpu
 
   rltune sync-bench --preset h200 --out runs/sync-h200 --transports filesystem,sparse,nccl
+
+Many readers (--readers N,...): N engine-reader processes prefetch and apply the same steps from one
+store directory (local disk, or a tmpfs with --storage shm) while a writer publishes; per-reader read
++ decode time, aggregate GB/s and the writer's publish time against N, every reader verified bit
+for bit. Presets: presets/sync/readers/<name>.yaml (ci, cpu, cpu-overlap); sync-readers.json goes under --out.
+
+  rltune sync-bench --readers 1,2,4 --preset ci --storage disk,shm
+
+Cost model (--estimate MODEL.yaml): per-step trainer-blocking publish, engine read while serving,
+dispatch-blocking update, anchor cost and storage bandwidth for a model and layout, projected from
+the rates measured on this CPU and the H200 (rltune/sync/data/rates.yaml), each with its range.
+
+  rltune sync-bench --estimate presets/sync/estimate/qwen3-235b-a22b.yaml
 """
 
 
@@ -34,9 +47,22 @@ def register(app: typer.Typer) -> None:
         device: str | None = typer.Option(None, help="auto, cpu or cuda (overrides the preset)"),
         json_out: bool = typer.Option(False, "--json", help="print the JSON record on stdout"),
         quiet: bool = typer.Option(False, help="no per-step progress lines"),
+        readers: str | None = typer.Option(
+            None, help="many-readers mode: comma list of reader counts (e.g. 1,2,4,8,16; 0 = the writer alone)"),
+        storage: str | None = typer.Option(None, help="many-readers mode: comma list of disk,shm"),
+        estimate: Path | None = typer.Option(
+            None, help="cost model: a MODEL.yaml (params, dtype, changed fraction, layout, storage); prints the "
+                       "projection"),
     ) -> None:
         import json
         import sys
+
+        if estimate is not None:
+            _estimate(estimate, json_out)
+            return
+        if readers is not None or storage is not None:
+            _readers(preset, out, readers, storage, steps, warmup_steps, json_out, quiet)
+            return
 
         from rich.console import Console
         from rich.table import Table
@@ -80,3 +106,94 @@ def register(app: typer.Typer) -> None:
                    if e["verified"] != e["updates"] or e["checksum_failures"]}
             raise SyncBenchError(f"{result.record_path}: updates failed verification ({bad}); the engine's weights "
                                  "differ from the trainer's")
+
+
+def _int_list(option: str, text: str) -> list[int]:
+    from rltune.sync.bench.readers import ReadersBenchError
+
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ReadersBenchError(f"{option} {text!r}: give a comma list of integers, e.g. 1,2,4") from None
+    if not values:
+        raise ReadersBenchError(f"{option} {text!r}: give at least one integer")
+    return values
+
+
+def _readers(preset: str, out: Path, readers: str | None, storage: str | None, steps: int | None,
+             warmup_steps: int | None, json_out: bool, quiet: bool) -> None:
+    import json
+    import sys
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from rltune.sync.bench.readers import (
+        ReadersBenchError,
+        load_readers_config,
+        readers_summary_lines,
+        readers_with_overrides,
+        resolve_readers_preset,
+        run_readers_bench,
+    )
+
+    console = Console(stderr=True, width=max(Console(stderr=True).width, 130))
+    cfg = load_readers_config(resolve_readers_preset(preset))
+    chosen = [s.strip() for s in storage.split(",") if s.strip()] if storage else None
+    if chosen is not None and any(s not in ("disk", "shm") for s in chosen):
+        raise ReadersBenchError(f"--storage {storage!r}: choose from disk, shm (comma list)")
+    cfg = readers_with_overrides(cfg, readers=_int_list("--readers", readers) if readers else None, storage=chosen,
+                                 steps=steps, warmup_steps=warmup_steps)
+    progress = None if quiet else (lambda msg: console.print(f"[dim]{msg}[/dim]", highlight=False))
+    result = run_readers_bench(cfg, out, progress=progress)
+    record = result.record
+    table = Table(title=f"sync-bench readers {cfg.name}: {record['model']['params'] / 1e6:.1f} M params, "
+                        f"{record['cpus']} CPUs, medians over {cfg.steps} steps",
+                  caption="read+decode = one reader's prefetch of a step (cpu: that reader's CPU time in it); x N=1 = "
+                          "its median over one reader's; "
+                          "agg = bytes all readers read / the step's read window; load = load average at the start; "
+                          "ok = reader updates bit-identical to the trainer")
+    lines = readers_summary_lines(record)
+    for column in lines[0]:
+        table.add_column(column, justify="left" if column == "storage" else "right")
+    for line in lines:
+        table.add_row(*line.values())
+    console.print(table)
+    console.print(f"wrote {result.record_path}")
+    if json_out:
+        sys.stdout.write(json.dumps(record, indent=2) + "\n")
+    if not result.all_verified:
+        bad = {f"{t['storage']}/{t['cache']}/{t['readers']}": f"{t['verified']}/{t['updates']}"
+               for t in record["trials"] if t["verified"] != t["updates"] or t["read_before_complete"]}
+        raise ReadersBenchError(f"{result.record_path}: reader updates failed verification ({bad})")
+
+
+def _estimate(path: Path, json_out: bool) -> None:
+    import json
+    import sys
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from rltune.sync.estimate import estimate, estimate_lines, load_model_spec, load_rates
+
+    console = Console(stderr=True, width=max(Console(stderr=True).width, 130))
+    spec = load_model_spec(path)
+    result = estimate(spec, load_rates())
+    table = Table(title=f"sync-bench estimate {spec.name}: {spec.params_total / 1e9:.1f} B params, "
+                        f"{spec.changed_fraction.min * 100:.2g}-{spec.changed_fraction.max * 100:.2g} % changed per step",
+                  caption="each output: low - high from the inputs' min/max (rates: rltune/sync/data/rates.yaml, "
+                          "each with its record and git SHA)")
+    lines = estimate_lines(result)
+    for column in lines[0]:
+        table.add_column(column, justify="left" if column == "output" else "right")
+    for line in lines:
+        table.add_row(*line.values())
+    console.print(table)
+    for note in result["notes"]:
+        console.print(f"- {note}", highlight=False)
+    for c in result["checks"]:
+        if not c["within_2x"] and c["cause"]:
+            console.print(f"- {c['output']} ({c['dtype']}) misses by {c['ratio']:.2f}x: {c['cause']}", highlight=False)
+    if json_out:
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")

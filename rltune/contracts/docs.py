@@ -25,6 +25,9 @@ TABLES = {
     "verdict": ("rltune.contracts.verdict", "Verdict"),
     "reward_check": ("rltune.contracts.reward_check", "RewardCheck"),
     "stage_map": ("rltune.profile.stage_map", "describe_stage_map"),
+    "sync_readers": ("rltune.sync.bench.readers", "ReadersConfig"),
+    "sync_estimate_model": ("rltune.sync.estimate", "ModelSpec"),
+    "sync_estimate_rates": ("rltune.sync.estimate", "RatesFile"),
 }
 
 

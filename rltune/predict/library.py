@@ -46,6 +46,7 @@ from rltune.contracts.cases import (
 )
 from rltune.contracts.schema import make_temp_file
 from rltune.errors import ArtifactError, RltuneError
+from rltune.profile.stats import generation_cycle, rounds_problem, whole_rounds
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -279,6 +280,12 @@ def case_from_run(job: JobSpec, knobs: dict[str, Any], table: pa.Table, run_id: 
         rows = [r for r in rows if r.get("run_id") == run_id]
     rows.sort(key=lambda r: r.get("step", 0))
     measured_rows = [r for i, r in enumerate(rows) if i >= warmup_steps and not r.get("warmup")]
+    # where a generation round feeds several steps, whole rounds only (rltune.profile.stats)
+    rounds = set(whole_rounds(rows, steps=[int(r["step"]) for r in measured_rows if "step" in r]))
+    if generation_cycle(rows) != 1:
+        if status == "ok" and not rounds:
+            raise CaseDataError(f"run {run_id}: {rounds_problem(rows) or 'no whole generation round measured'}")
+        measured_rows = [r for r in measured_rows if int(r["step"]) in rounds]
     required = ("step_s", "rollout_s", "training_s", "weight_sync_s")
     if status == "ok":
         if not measured_rows:

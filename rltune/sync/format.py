@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import struct
 import zlib
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 
 from rltune.errors import RltuneError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAGIC = b"RLTSYNC\0"
 MAX_HEADER_BYTES = 16 << 20
 MAX_MANIFEST_BYTES = 64 << 20
@@ -35,6 +36,12 @@ COMPLETE_NAME = "COMPLETE"
 KINDS = ("delta", "anchor", "full")
 DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
 PART_FILE_RE = re.compile(r"^rank-[0-9]{5}\.(delta|anchor)$")
+ATTEMPT_RE = re.compile(r"^[0-9a-f]{16,64}$")
+CHECKSUM2_PRIME = (1 << 31) - 1
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
+_V1_HINT = ("format version 1 has no second checksum and no attempt ids, so a reader cannot tell a republished "
+            "or crashed step from the one it holds; this reader implements version 2 only: upgrade the trainer's "
+            "rltune and let it publish a full checkpoint")
 _PREFIX = struct.Struct("<8sII")  # magic, format_version, header_len
 
 
@@ -86,6 +93,19 @@ class ChainError(SyncFormatError):
     """A step needed to reach the target is missing/incomplete, or a delta's base is not the held step."""
 
 
+class StepNotReadyError(ChainError):
+    """A step has no COMPLETE marker (yet): the trainer is still writing it, or never did. Nothing was
+    changed; ask again later (``apply(step, wait_s=...)`` waits politely)."""
+
+
+class MissingManifestError(SyncFormatError):
+    """A step's COMPLETE marker exists but its manifest.json does not (or is not a file)."""
+
+
+class AnchorCoverError(SyncFormatError):
+    """A step's anchor slices do not cover a manifest tensor exactly once (missing, short, long or overlapping)."""
+
+
 class ChecksumMismatchError(SyncFormatError):
     """Tensors do not hold the values the trainer's checksums describe."""
 
@@ -96,6 +116,15 @@ class WeightChangedOutsideStepError(SyncFormatError):
 
 class UpdateFailedError(SyncFormatError):
     """The update failed on another worker of this TP group; every worker reloads next time."""
+
+
+class GroupUnreachableError(UpdateFailedError):
+    """A collective of the TP group failed or timed out: a worker died or stopped answering."""
+
+
+class InternalSyncError(SyncFormatError):
+    """An exception rltune does not type escaped a read, apply or verify (a bug: report it); the
+    update failed as any other and the engine reloads at its next update."""
 
 
 class IndexMapError(SyncFormatError):
@@ -119,6 +148,66 @@ def part_file_name(rank: int, kind: str) -> str:
 
 def crc32(data: bytes | memoryview) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not JSON this format allows")
+
+
+def parse_json(raw: bytes, where: str, what: str = "file") -> Any:
+    """Strict JSON of a format file: UTF-8, no NaN/Infinity, bounded nesting; any failure is a
+    :class:`ManifestSchemaError` naming the file."""
+    try:
+        return json.loads(raw, parse_constant=_no_constants)
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+        raise ManifestSchemaError(f"{where}: {what} is not valid JSON ({e}); the file is damaged: the trainer "
+                                  "rewrites it when it republishes the step") from None
+    except RecursionError:
+        raise ManifestSchemaError(f"{where}: {what} nests deeper than any file this format writes; refused") from None
+
+
+def _file_kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device"
+
+
+def open_regular(path: Path, what: str, missing: type[SyncFormatError]):
+    """open(path, 'rb') of a regular file, never blocking: a directory, named pipe, socket or device in
+    its place is ``missing`` (a reader that opened a pipe would wait for a writer forever), as is any
+    OS failure; the message names the file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise missing(f"{path}: {what} is absent") from None
+    except OSError as e:
+        raise missing(f"{path}: {what} cannot be read ({type(e).__name__}: {e}); check the broadcast root's "
+                      "storage") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise missing(f"{path}: {what} is {_file_kind(mode)}, not a file; refused: the step is damaged")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _open_part(path: Path, what: str):
+    """open(path, 'rb') of a part file with every OS failure as a typed error naming the file."""
+    try:
+        return open_regular(path, what, MissingPartError)
+    except MissingPartError as e:
+        if "is absent" not in str(e):
+            raise MissingPartError(f"{e}; the engine keeps its weights and reloads once the trainer rewrites the "
+                                   "step") from None
+        raise MissingPartError(f"{path}: {what} listed in the manifest is missing (pruned or never written); the engine "
+                               "will reload from an anchor") from None
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -157,7 +246,7 @@ def encode_part(header: dict[str, Any], payload: bytes) -> bytes:
 
 _DELTA_ENTRY_KEYS = {"name", "start", "stop", "offset", "length", "crc32", "changes"}
 _ANCHOR_ENTRY_KEYS = {"name", "start", "stop", "offset", "length", "crc_block", "crc32s"}
-_PART_KEYS = {"kind", "run_id", "step", "base_step", "rank", "world", "payload_len", "entries"}
+_PART_KEYS = {"kind", "run_id", "attempt", "step", "base_step", "rank", "world", "payload_len", "entries"}
 
 
 def _is_int(v: Any, lo: int = 0, hi: int = 1 << 63) -> bool:
@@ -172,12 +261,9 @@ def read_part_header(path: Path, expect: dict[str, Any] | None = None,
     equal; ``expect_bytes`` the file size the manifest records.
     """
     path = Path(path)
-    try:
-        size = path.stat().st_size
-        f = open(path, "rb")
-    except FileNotFoundError:
-        raise MissingPartError(f"{path}: part file listed in the manifest is missing; the engine will reload from an anchor") from None
+    f = _open_part(path, "part file")
     with f:
+        size = os.fstat(f.fileno()).st_size
         prefix = f.read(_PREFIX.size)
         if len(prefix) < _PREFIX.size:
             raise TruncatedFileError(f"{path}: {size} bytes, shorter than the 16-byte prefix")
@@ -185,7 +271,8 @@ def read_part_header(path: Path, expect: dict[str, Any] | None = None,
         if magic != MAGIC:
             raise BadMagicError(f"{path}: magic {magic!r}, expected {MAGIC!r}: not a delta-sync part file")
         if version != FORMAT_VERSION:
-            raise FormatVersionError(f"{path}: format_version {version}, this reader implements {FORMAT_VERSION}; upgrade rltune")
+            hint = _V1_HINT if version == 1 else "upgrade rltune"
+            raise FormatVersionError(f"{path}: format_version {version}, this reader implements {FORMAT_VERSION}; {hint}")
         if header_len == 0 or header_len > MAX_HEADER_BYTES:
             raise HeaderTooLargeError(f"{path}: header_len {header_len} outside 1..{MAX_HEADER_BYTES}")
         if _PREFIX.size + header_len + 4 > size:
@@ -194,10 +281,7 @@ def read_part_header(path: Path, expect: dict[str, Any] | None = None,
         (want_crc,) = struct.unpack("<I", f.read(4))
     if crc32(raw) != want_crc:
         raise CorruptBytesError(f"{path}: header CRC-32 {crc32(raw):#010x} != stored {want_crc:#010x}")
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestSchemaError(f"{path}: header is not JSON ({e})") from None
+    header = parse_json(raw, str(path), "header")
     payload_start = _PREFIX.size + header_len + 4
     _validate_part_header(path, header)
     if payload_start + header["payload_len"] != size:
@@ -221,6 +305,8 @@ def _validate_part_header(path: Path, h: Any) -> None:
         raise bad(f"kind {h['kind']!r} not delta/anchor")
     if not isinstance(h["run_id"], str) or not _is_int(h["step"]) or not _is_int(h["payload_len"]):
         raise bad("run_id/step/payload_len have wrong types")
+    if not isinstance(h["attempt"], str) or not ATTEMPT_RE.match(h["attempt"]):
+        raise bad("attempt must be 16-64 lowercase hex digits")
     if h["base_step"] is not None and not _is_int(h["base_step"]):
         raise bad("base_step must be an integer or null")
     if not _is_int(h["world"], 1, 65536) or not _is_int(h["rank"], 0, h["world"] - 1):
@@ -254,7 +340,7 @@ def _validate_part_header(path: Path, h: Any) -> None:
 
 def read_entry_bytes(path: Path, payload_start: int, entry: dict[str, Any]) -> bytes:
     """Bytes of one delta entry, CRC-checked."""
-    with open(path, "rb") as f:
+    with _open_part(Path(path), "part file") as f:
         f.seek(payload_start + entry["offset"])
         data = f.read(entry["length"])
     if len(data) != entry["length"]:
@@ -269,7 +355,7 @@ def read_anchor_range(path: Path, payload_start: int, entry: dict[str, Any], lo_
     block = entry["crc_block"]
     b0, b1 = lo_byte // block, -(-hi_byte // block)
     start, stop = b0 * block, min(b1 * block, entry["length"])
-    with open(path, "rb") as f:
+    with _open_part(Path(path), "anchor file") as f:
         f.seek(payload_start + entry["offset"] + start)
         data = f.read(stop - start)
     if len(data) != stop - start:
@@ -285,89 +371,207 @@ def read_anchor_range(path: Path, payload_start: int, entry: dict[str, Any], lo_
 # ----------------------------------------------------------------------------------------------
 # manifest and completion marker
 
-_MANIFEST_KEYS = {"format_version", "run_id", "step", "kind", "base_step", "world", "parts", "anchors", "tensors"}
-_TENSOR_KEYS = {"dtype", "shape", "checksum", "tied_to"}
+_MANIFEST_KEYS = {"format_version", "run_id", "attempt", "step", "kind", "base_step", "base_attempt", "world", "parts",
+                  "anchors", "tensors"}
+_TENSOR_KEYS = {"dtype", "shape", "checksum", "checksum2", "tied_to"}
+_MARKER_KEYS = {"format_version", "step", "attempt", "manifest_bytes", "manifest_crc32"}
+
+
+def _u64_string(v: Any) -> bool:
+    return isinstance(v, str) and re.fullmatch(r"[0-9]{1,20}", v) is not None and int(v) < 1 << 64
 
 
 def validate_manifest(m: Any, where: str = "manifest.json") -> dict[str, Any]:
-    """Check a parsed manifest against the schema and rules of docs/delta-format.md."""
-    def bad(msg: str) -> ManifestSchemaError:
-        return ManifestSchemaError(f"{where}: {msg}")
+    """Check a parsed manifest against the schema and rules of docs/delta-format.md.
+
+    Every violation is a :class:`ManifestSchemaError` (or the error of its own rule) whose message
+    names the file and the field; no value of any JSON type makes it raise anything else.
+    """
+    def bad(field: str, msg: str) -> ManifestSchemaError:
+        return ManifestSchemaError(f"{where}: {field}: {msg}; the manifest is damaged or not written by rltune: the "
+                                   "trainer rewrites it when it republishes the step")
 
     if not isinstance(m, dict):
-        raise bad("not a JSON object")
+        raise bad("(top level)", "not a JSON object")
+    if "format_version" in m and m["format_version"] != FORMAT_VERSION:
+        if m["format_version"] == 1:
+            raise FormatVersionError(f"{where}: format_version 1; {_V1_HINT}")
+        raise FormatVersionError(f"{where}: format_version {m['format_version']!r}, this reader implements "
+                                 f"{FORMAT_VERSION}; upgrade rltune")
     if set(m) != _MANIFEST_KEYS:
         extra, missing = set(m) - _MANIFEST_KEYS, _MANIFEST_KEYS - set(m)
-        raise bad(f"unknown keys {sorted(extra)} / missing keys {sorted(missing)}")
-    if m["format_version"] != FORMAT_VERSION:
-        raise FormatVersionError(f"{where}: format_version {m['format_version']!r}, this reader implements {FORMAT_VERSION}")
+        raise bad("(keys)", f"unknown keys {sorted(extra)} / missing keys {sorted(missing)}")
     if not isinstance(m["run_id"], str) or len(m["run_id"]) > 256:
-        raise bad("run_id must be a string of at most 256 characters")
-    if not _is_int(m["step"]) or m["kind"] not in KINDS or not _is_int(m["world"], 1, 65536):
-        raise bad("step/kind/world invalid")
+        raise bad("run_id", "must be a string of at most 256 characters")
+    for key in ("step", "world"):
+        if not _is_int(m[key], 0 if key == "step" else 1, (1 << 63) if key == "step" else 65536):
+            raise bad(key, f"{m[key]!r} is not an integer in range")
+    if not isinstance(m["kind"], str) or m["kind"] not in KINDS:
+        raise bad("kind", f"{m['kind']!r} is not one of {KINDS}")
+    if not isinstance(m["attempt"], str) or not ATTEMPT_RE.match(m["attempt"]):
+        raise bad("attempt", "must be 16-64 lowercase hex digits")
     full = m["kind"] == "full"
-    if full != (m["base_step"] is None):
-        raise bad("base_step must be null exactly for kind 'full'")
+    if full != (m["base_step"] is None) or full != (m["base_attempt"] is None):
+        raise bad("base_step", "base_step and base_attempt must be null exactly for kind 'full'")
     if m["base_step"] is not None and not (_is_int(m["base_step"]) and m["base_step"] < m["step"]):
-        raise bad("base_step must be an integer below step")
+        raise bad("base_step", "must be an integer below step")
+    if m["base_attempt"] is not None and (not isinstance(m["base_attempt"], str)
+                                          or not ATTEMPT_RE.match(m["base_attempt"])):
+        raise bad("base_attempt", "must be 16-64 lowercase hex digits")
     for key, want_kind, needed in (("parts", "delta", not full), ("anchors", "anchor", m["kind"] != "delta")):
         files = m[key]
         if not isinstance(files, list):
-            raise bad(f"{key} must be a list")
-        for f in files:
+            raise bad(key, "must be a list")
+        for j, f in enumerate(files):
             if not isinstance(f, dict) or set(f) != {"rank", "file", "bytes"}:
-                raise bad(f"{key}: each item needs exactly rank, file, bytes")
+                raise bad(f"{key}[{j}]", "each item needs exactly rank, file, bytes")
             if not isinstance(f["file"], str) or not PART_FILE_RE.match(f["file"]):
-                raise ManifestPathError(f"{where}: {key}: file {f['file']!r} is not a plain rank-NNNNN.(delta|anchor) "
-                                        "name inside the step directory")
-            if not f["file"].endswith("." + want_kind) or not _is_int(f["bytes"], 20) or not _is_int(f["rank"]):
-                raise bad(f"{key}: {f['file']}: wrong suffix, rank or size")
+                raise ManifestPathError(f"{where}: {key}[{j}].file: {f['file']!r} is not a plain rank-NNNNN.(delta|anchor) "
+                                        "name inside the step directory; refused")
+            if not f["file"].endswith("." + want_kind):
+                raise bad(f"{key}[{j}].file", f"{f['file']}: a {key} file must end in .{want_kind}")
+            if not _is_int(f["bytes"], 20):
+                raise bad(f"{key}[{j}].bytes", f"{str(f['bytes'])[:40]} is not a size of at least 20 bytes")
+            if not _is_int(f["rank"], 0, 65535):
+                raise bad(f"{key}[{j}].rank", f"{str(f['rank'])[:40]} is not a rank")
+            if f["file"] != f"rank-{f['rank']:05d}.{want_kind}":
+                raise bad(f"{key}[{j}].file", f"{f['file']} does not name rank {f['rank']}")
         ranks = sorted(f["rank"] for f in files)
         if ranks != (list(range(m["world"])) if needed else []):
-            raise bad(f"{key}: ranks {ranks} but kind {m['kind']} with world {m['world']} needs "
+            raise bad(key, f"ranks {ranks} but kind {m['kind']} with world {m['world']} needs "
                       f"{list(range(m['world'])) if needed else []}")
     if not isinstance(m["tensors"], dict):
-        raise bad("tensors must be an object")
+        raise bad("tensors", "must be an object")
     for name, t in m["tensors"].items():
+        field = f"tensors.{name}"
         if not isinstance(t, dict) or set(t) != _TENSOR_KEYS:
-            raise bad(f"tensors.{name}: keys must be exactly {sorted(_TENSOR_KEYS)}")
-        if t["dtype"] not in DTYPES:
-            raise bad(f"tensors.{name}.dtype {t['dtype']!r} not one of {DTYPES}")
-        if not isinstance(t["shape"], list) or not all(_is_int(s) for s in t["shape"]):
-            raise bad(f"tensors.{name}.shape must be a list of non-negative integers")
+            raise bad(field, f"keys must be exactly {sorted(_TENSOR_KEYS)}")
+        if not isinstance(t["dtype"], str) or t["dtype"] not in DTYPES:
+            raise bad(f"{field}.dtype", f"{t['dtype']!r} not one of {DTYPES}")
+        if not isinstance(t["shape"], list) or len(t["shape"]) > 8 or not all(_is_int(d, 1) for d in t["shape"]):
+            raise bad(f"{field}.shape", f"{str(t['shape'])[:80]} is not a list of at most 8 positive integers "
+                      "(a zero-size tensor has nothing to sync)")
         numel = 1
-        for s in t["shape"]:
-            numel *= s
+        for d in t["shape"]:
+            numel *= d
         if numel > MAX_TENSOR_ELEMENTS:
-            raise bad(f"tensors.{name}: {numel} elements, cap {MAX_TENSOR_ELEMENTS}")
-        if not isinstance(t["checksum"], str) or not re.fullmatch(r"[0-9]{1,20}", t["checksum"]) \
-                or int(t["checksum"]) >= 1 << 64:
-            raise bad(f"tensors.{name}.checksum must be a decimal u64 string")
+            raise bad(f"{field}.shape", f"{numel} elements, cap {MAX_TENSOR_ELEMENTS}")
+        if not _u64_string(t["checksum"]):
+            raise bad(f"{field}.checksum", "must be a decimal u64 string")
+        if not _u64_string(t["checksum2"]) or (int(t["checksum2"]) >> 32) >= CHECKSUM2_PRIME \
+                or (int(t["checksum2"]) & 0xFFFFFFFF) >= CHECKSUM2_PRIME:
+            raise bad(f"{field}.checksum2", "must be a decimal u64 string whose two 32-bit halves are below 2^31 - 1")
+        if t["tied_to"] is not None and not isinstance(t["tied_to"], str):
+            raise bad(f"{field}.tied_to", f"{str(t['tied_to'])[:80]} is neither null nor a tensor name")
+    for name, t in m["tensors"].items():
         tied = t["tied_to"]
         if tied is not None:
             base = m["tensors"].get(tied)
             if base is None or base["tied_to"] is not None or base["dtype"] != t["dtype"] or base["shape"] != t["shape"]:
-                raise bad(f"tensors.{name}.tied_to {tied!r} must name an untied tensor of the same dtype and shape")
+                raise bad(f"tensors.{name}.tied_to", f"{tied!r} must name an untied tensor of the same dtype and shape")
     return m
+
+
+def numel_of(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def check_part_entries(path: Path, header: dict[str, Any], manifest: dict[str, Any]) -> None:
+    """Entries of a part against its manifest: every name a manifest tensor (a delta never under a
+    tied name), ranges inside the tensor, anchor entries exactly ``(stop - start) * itemsize`` bytes."""
+    def bad(j: int, e: dict, field: str, msg: str) -> ManifestSchemaError:
+        return ManifestSchemaError(f"{path}: step {manifest['step']}: entries[{j}] ({e.get('name')!r}).{field}: {msg}; "
+                                   "the part is damaged: the engine keeps its weights until the trainer rewrites it")
+
+    for j, e in enumerate(header["entries"]):
+        t = manifest["tensors"].get(e["name"])
+        if t is None or (header["kind"] == "delta" and t["tied_to"] is not None):
+            raise bad(j, e, "name", "not a manifest tensor this part may carry")
+        numel = numel_of(t["shape"])
+        if e["stop"] > numel:
+            raise bad(j, e, "stop", f"{e['stop']} > the tensor's {numel} elements")
+        if header["kind"] == "anchor":
+            want = (e["stop"] - e["start"]) * _DTYPE_BYTES[t["dtype"]]
+            if e["length"] != want:
+                raise AnchorCoverError(f"{path}: step {manifest['step']}: entries[{j}] ({e['name']!r}).length: "
+                                       f"{e['length']} bytes, elements [{e['start']}, {e['stop']}) of "
+                                       f"{t['dtype']} need {want} (a short or long anchor entry); the engine keeps "
+                                       "its weights and falls back to an older anchor")
+
+
+def check_cover(step_dir: Path, manifest: dict[str, Any], headers: list[tuple[Path, dict[str, Any]]]) -> None:
+    """Across the parts of one kind of a step: anchor entries tile every manifest tensor exactly, and
+    no two delta entries of a tensor overlap (a change applied twice)."""
+    by_name: dict[str, list[tuple[int, int, Path]]] = {}
+    kind = headers[0][1]["kind"] if headers else None
+    for path, header in headers:
+        for e in header["entries"]:
+            by_name.setdefault(e["name"], []).append((e["start"], e["stop"], path))
+    names = manifest["tensors"] if kind == "anchor" else by_name
+    for name in names:
+        ranges = sorted(by_name.get(name, []), key=lambda r: (r[0], r[1]))
+        at = 0
+        for start, stop, path in ranges:
+            if start < at:
+                cls = AnchorCoverError if kind == "anchor" else ManifestSchemaError
+                raise cls(f"{path}: step {manifest['step']}: {name}: entry [{start}, {stop}) overlaps another entry "
+                          f"ending at {at} (a change would be applied twice); the step is damaged")
+            if kind == "anchor" and start != at:
+                break
+            at = stop
+        if kind == "anchor" and at != numel_of(manifest["tensors"][name]["shape"]):
+            files = sorted({p.name for _, _, p in ranges}) or ["(no anchor entry)"]
+            raise AnchorCoverError(f"{step_dir}: step {manifest['step']}: the anchor slices of {name} ({', '.join(files)}) "
+                                   f"cover [0, {at}) without gaps, not its "
+                                   f"{numel_of(manifest['tensors'][name]['shape'])} elements; the engine keeps its "
+                                   "weights and falls back to an older anchor")
 
 
 def safe_child(step_dir: Path, name: str) -> Path:
     """A file of a step directory named by a manifest; refuses anything that would leave it."""
-    if not PART_FILE_RE.match(name):
+    if not isinstance(name, str) or not PART_FILE_RE.match(name):
         raise ManifestPathError(f"{step_dir}: manifest names {name!r}, not a rank-NNNNN.(delta|anchor) file")
     path = (step_dir / name)
-    resolved, root = path.resolve(), step_dir.resolve()
+    try:
+        resolved, root = path.resolve(), step_dir.resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        raise ManifestPathError(f"{step_dir}: {name!r} does not resolve ({e}); refused") from None
     if resolved.parent != root:
         raise ManifestPathError(f"{step_dir}: {name!r} resolves to {resolved}, outside the step directory")
     return path
 
 
-def _read_capped(path: Path, cap: int) -> bytes:
-    size = path.stat().st_size
-    if size > cap:
-        raise HeaderTooLargeError(f"{path}: {size} bytes, cap {cap}: not a file this format writes")
-    with open(path, "rb") as f:
-        return f.read(cap + 1)
+def _read_capped(path: Path, cap: int, missing: type[SyncFormatError], what: str) -> bytes:
+    inside(path)
+    with open_regular(path, what, missing) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > cap:
+            raise HeaderTooLargeError(f"{path}: {size} bytes, cap {cap}: not a file this format writes")
+        try:
+            return f.read(cap + 1)
+        except OSError as e:
+            raise missing(f"{path}: {what} cannot be read ({type(e).__name__}: {e})") from None
+
+
+def inside(path: Path) -> Path:
+    """A step's manifest or marker, refused (:class:`ManifestPathError`) if it is a link that resolves
+    outside its step directory: a reader opens nothing of a step outside the step's own directory."""
+    try:
+        resolved, parent = path.resolve(), path.parent.resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        raise ManifestPathError(f"{path}: does not resolve ({e}); refused") from None
+    if resolved.parent != parent:
+        raise ManifestPathError(f"{path}: resolves to {resolved}, outside the step directory {parent}; refused")
+    return path
+
+
+def marker_bytes(manifest_raw: bytes, manifest: dict[str, Any]) -> bytes:
+    marker = {"format_version": FORMAT_VERSION, "step": manifest["step"], "attempt": manifest["attempt"],
+              "manifest_bytes": len(manifest_raw), "manifest_crc32": crc32(manifest_raw)}
+    return json.dumps(marker).encode()
 
 
 def write_manifest(step_dir: Path, manifest: dict[str, Any]) -> None:
@@ -377,41 +581,51 @@ def write_manifest(step_dir: Path, manifest: dict[str, Any]) -> None:
     if len(raw) > MAX_MANIFEST_BYTES:
         raise HeaderTooLargeError(f"{step_dir}: manifest would be {len(raw)} bytes, cap {MAX_MANIFEST_BYTES}")
     write_atomic(step_dir / MANIFEST_NAME, raw)
-    marker = {"format_version": FORMAT_VERSION, "step": manifest["step"], "manifest_bytes": len(raw),
-              "manifest_crc32": crc32(raw)}
-    write_atomic(step_dir / COMPLETE_NAME, json.dumps(marker).encode())
+    write_atomic(step_dir / COMPLETE_NAME, marker_bytes(raw, manifest))
 
 
-def read_manifest(step_dir: Path) -> dict[str, Any]:
-    """The validated manifest of a complete step (checked against its COMPLETE marker)."""
+def read_marker(step_dir: Path) -> tuple[bytes, dict[str, Any]]:
+    """A step's COMPLETE marker: its raw bytes (what a reader caches a manifest under) and its fields.
+
+    No marker is :class:`StepNotReadyError`: the step is still being written (or was pruned).
+    """
     step_dir = Path(step_dir)
     marker_path = step_dir / COMPLETE_NAME
-    try:
-        marker_raw = _read_capped(marker_path, MAX_MARKER_BYTES)
-    except FileNotFoundError:
-        raise ChainError(f"{step_dir}: no {COMPLETE_NAME} marker; the step is not complete yet") from None
-    try:
-        marker = json.loads(marker_raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ManifestSchemaError(f"{marker_path}: not JSON") from None
-    if not isinstance(marker, dict) or set(marker) != {"format_version", "step", "manifest_bytes", "manifest_crc32"}:
-        raise ManifestSchemaError(f"{marker_path}: keys must be format_version, step, manifest_bytes, manifest_crc32")
-    if marker["format_version"] != FORMAT_VERSION:
-        raise FormatVersionError(f"{marker_path}: format_version {marker['format_version']!r}")
+    raw = _read_capped(marker_path, MAX_MARKER_BYTES, StepNotReadyError, f"the {COMPLETE_NAME} marker (step not complete)")
+    marker = parse_json(raw, str(marker_path), "marker")
+    if isinstance(marker, dict) and "format_version" in marker and marker["format_version"] != FORMAT_VERSION:
+        hint = _V1_HINT if marker["format_version"] == 1 else "upgrade rltune"
+        raise FormatVersionError(f"{marker_path}: format_version {marker['format_version']!r}; {hint}")
+    if not isinstance(marker, dict) or set(marker) != _MARKER_KEYS:
+        raise ManifestSchemaError(f"{marker_path}: keys must be exactly {sorted(_MARKER_KEYS)}; the marker is damaged")
     if not _is_int(marker["manifest_bytes"]) or marker["manifest_bytes"] > MAX_MANIFEST_BYTES:
         raise HeaderTooLargeError(f"{marker_path}: manifest_bytes {marker['manifest_bytes']!r} over cap {MAX_MANIFEST_BYTES}")
-    raw = _read_capped(step_dir / MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    if not _is_int(marker["manifest_crc32"], 0, 0xFFFFFFFF) or not _is_int(marker["step"]) \
+            or not isinstance(marker["attempt"], str) or not ATTEMPT_RE.match(marker["attempt"]):
+        raise ManifestSchemaError(f"{marker_path}: manifest_crc32, step or attempt has the wrong type; the marker is damaged")
+    return raw, marker
+
+
+def read_manifest(step_dir: Path, marker: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The validated manifest of a complete step (checked against its COMPLETE marker, read here
+    unless given)."""
+    step_dir = Path(step_dir)
+    if marker is None:
+        _, marker = read_marker(step_dir)
+    path = step_dir / MANIFEST_NAME
+    raw = _read_capped(path, MAX_MANIFEST_BYTES, MissingManifestError,
+                       f"{MANIFEST_NAME} under a {COMPLETE_NAME} marker (the step is damaged: the trainer rewrites it "
+                       "when it republishes the step)")
     if len(raw) != marker["manifest_bytes"]:
-        raise TruncatedFileError(f"{step_dir / MANIFEST_NAME}: {len(raw)} bytes, marker says {marker['manifest_bytes']}")
+        raise TruncatedFileError(f"{path}: {len(raw)} bytes, marker says {marker['manifest_bytes']}")
     if crc32(raw) != marker["manifest_crc32"]:
-        raise CorruptBytesError(f"{step_dir / MANIFEST_NAME}: CRC-32 differs from the COMPLETE marker")
-    try:
-        manifest = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestSchemaError(f"{step_dir / MANIFEST_NAME}: not JSON ({e})") from None
-    validate_manifest(manifest, str(step_dir / MANIFEST_NAME))
+        raise CorruptBytesError(f"{path}: CRC-32 differs from the COMPLETE marker")
+    manifest = validate_manifest(parse_json(raw, str(path), "manifest"), str(path))
     expected = parse_step_dir_name(step_dir.name)
     if manifest["step"] != expected or marker["step"] != expected:
         raise WrongStepError(f"{step_dir}: manifest step {manifest['step']} / marker step {marker['step']} "
                              f"but the directory is step {expected}")
+    if manifest["attempt"] != marker["attempt"]:
+        raise WrongStepError(f"{path}: attempt {manifest['attempt']} but the {COMPLETE_NAME} marker says "
+                             f"{marker['attempt']}: a manifest of another publish of step {expected}")
     return manifest

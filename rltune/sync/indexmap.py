@@ -72,6 +72,9 @@ class IndexMap:
     param_names: list[str]
     tensors: dict[str, TensorRuns]
     engine_only: dict[str, int] = field(default_factory=dict)  # parameter -> elements no checkpoint element fills
+    # checkpoint name -> (shape, dtype) the map was recorded for: a manifest that differs in any name,
+    # shape or dtype needs a new map (empty for a map built by hand: then only element counts are checked)
+    spec: dict[str, tuple[list[int], str]] = field(default_factory=dict)
 
     @classmethod
     def record(cls, build_engine: Callable[[torch.dtype], torch.nn.Module],
@@ -145,7 +148,7 @@ class IndexMap:
                 raise IndexMapError(f"{name}: the engine writes some checkpoint elements to two places in one worker; "
                                     "the delta path needs one place per element")
             tensors[name] = TensorRuns(name, numels[tid], ckpt.copy(), length.copy(), pid.copy(), pos.copy())
-        return cls(param_names, tensors, engine_only)
+        return cls(param_names, tensors, engine_only, {n: (list(spec[n][0]), str(spec[n][1])) for n in names})
 
 
 def _codes_held(flat: torch.Tensor, placeholder_dtype: torch.dtype, total: int, source: str, pname: str):

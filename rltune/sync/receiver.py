@@ -2,16 +2,28 @@
 
 A :class:`DeltaReceiver` wraps one engine worker's parameters and an :class:`IndexMap` recorded
 from the engine's own loader. ``prefetch(step)`` reads and decodes the parts of the tensors this
-worker holds (while the engine keeps serving). ``apply(step)`` runs in the pause: TP rank 0 plans
-(apply one delta, nothing, or reload the latest anchor and replay the deltas since) and broadcasts
-the plan; every worker follows it; a failure on any worker fails the update on all (one flag
-reduction), and every worker then marks itself invalid so the next update reloads and replays the
-same way everywhere. After each load or apply the group checks, per checkpoint tensor, that the sum
-of the workers' checksum shares equals multiplicity x the trainer's checksum; shares follow deltas
-in O(changes) and are recomputed in full after an anchor load.
+worker holds (while the engine keeps serving); it never raises. ``apply(step)`` runs in the pause:
+TP rank 0 plans (apply one delta, nothing, or reload an anchor and replay the deltas since, with
+older anchors to fall back to) and broadcasts the plan with the attempt id of every step in it;
+every worker follows it; a failure on any worker fails the update on all (one flag reduction per
+phase, so no worker waits in a collective the others left). After each load or apply the group
+checks, per checkpoint tensor, that the sum of the workers' shares of **both** checksums equals
+multiplicity x the trainer's; shares follow deltas in O(changes) and are recomputed in full after
+an anchor load.
+
+What the receiver holds is named by (run id, step, attempt): a step the trainer republished is
+new content, never "the step already held". Every step in a plan is read from a snapshot of its
+manifest taken once per update. Every read happens before the first write: a failure while
+reading (a step still being written, a damaged part, a step pruned under the reader) leaves the
+weights and the receiver's validity as they were, so a healthy engine keeps serving its step; only
+a failure after writing began marks it invalid, and its next update reloads and replays the same
+way on every worker. A damaged newest anchor (bytes, cover, or values that fail a checksum) falls
+back to the anchor before it plus every delta since.
 
 The apply function is pluggable (``apply_fn``) so a fused GPU kernel can replace the torch
-reference :func:`rltune.sync.ops.apply_mapped_delta_ref` with the same signature.
+reference :func:`rltune.sync.ops.apply_mapped_delta_ref` with the same signature; the receiver
+computes the second checksum's change itself from the values it reads back, so a kernel that
+writes wrong values is caught whatever it reports.
 
 Example::
 
@@ -20,6 +32,7 @@ Example::
     rx.load_latest()                   # fresh engine: latest anchor (only the rows it holds) + replay
     rx.prefetch(43)                    # while serving
     rx.apply(43)                       # in the pause: patch in place + verify
+    rx.apply(44, wait_s=5)             # the trainer is still writing 44: wait politely for its marker
 """
 
 from __future__ import annotations
@@ -37,8 +50,16 @@ from rltune.errors import RltuneError
 from rltune.sync import codec
 from rltune.sync import format as fmt
 from rltune.sync.indexmap import IndexMap, TensorRuns
-from rltune.sync.kernels.cpu_kernels import checksum_bits
-from rltune.sync.kernels.reference import MASK64, as_bits
+from rltune.sync.kernels import checksum_pair
+from rltune.sync.kernels.reference import (
+    MASK64,
+    P31,
+    as_bits,
+    checksum2_add,
+    checksum2_lanes,
+    checksum2_scale,
+    checksum2_update_ref,
+)
 from rltune.sync.ops import apply_mapped_delta_ref, wire_width
 from rltune.sync.store import BroadcastStore
 
@@ -58,13 +79,24 @@ class UpdateReport:
     changes_applied: int = 0
     seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)  # seconds: plan, check, read, write, verify
+    fallbacks: list[dict[str, Any]] = field(default_factory=list)  # anchors that failed before the one loaded
+
+
+def _as_typed(exc: BaseException, what: str) -> RltuneError:
+    """An rltune error as is; anything else as :class:`InternalSyncError` naming it (never a raw exception)."""
+    if isinstance(exc, RltuneError):
+        return exc
+    err = fmt.InternalSyncError(f"{what}: {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
 
 
 class DeltaReceiver:
     """One engine worker's view of a broadcast root (see the module docstring)."""
 
     def __init__(self, root: str | Path, model: torch.nn.Module, index_map: IndexMap, *, group: Any = None,
-                 apply_fn: ApplyFn = apply_mapped_delta_ref, fused: bool | None = None, fused_backend: str = "auto"):
+                 apply_fn: ApplyFn = apply_mapped_delta_ref, fused: bool | None = None, fused_backend: str = "auto",
+                 max_fallbacks: int = 2):
         self.store = BroadcastStore(root)
         params = dict(model.named_parameters())
         missing = [n for n in index_map.param_names if n not in params]
@@ -73,15 +105,20 @@ class DeltaReceiver:
                                     "record the map from this engine")
         self.params = [params[n] for n in index_map.param_names]
         self.imap, self.group, self.apply_fn = index_map, group, apply_fn
+        self.max_fallbacks = max_fallbacks
         self.step: int | None = None
         self.run_id: str | None = None
+        self.attempt: str | None = None
         self.valid = False
         self.anchor_loads = 0
         self.deltas_applied = 0
+        self.last_prefetch_error: RltuneError | None = None
         self._shares: dict[str, int] = {}
+        self._shares2: dict[str, int] = {}
         self._multiplicity: dict[str, int] | None = None
+        self._static_key: tuple | None = None
         self._names: list[str] = []
-        self._prefetched: dict[tuple[str, int], Any] = {}
+        self._prefetched: dict[tuple[str, int, str], Any] = {}
         # fused: one multi-tensor kernel launch per delta (rltune.sync.kernels.ApplyPlan) with the
         # changes staged on the device at prefetch; None = when the parameters are on a GPU.
         self._fused = (self.params[0].device.type == "cuda") if fused is None else fused
@@ -90,6 +127,11 @@ class DeltaReceiver:
         self._layout_of: dict[str, int] = {}
         self._plan_names: list[str] = []
         self._plan_addresses: list[int] = []
+
+    @property
+    def held(self) -> tuple[str, int, str] | None:
+        """(run id, step, attempt) of the weights this worker holds, or None when it holds no verified step."""
+        return (self.run_id, self.step, self.attempt) if self.valid else None
 
     # ------------------------------------------------------------------------- group plumbing
 
@@ -111,10 +153,10 @@ class DeltaReceiver:
             dist.all_gather(every, t, group=self.group)
         except RuntimeError as exc:  # gloo's time-out or a peer that went away
             self.valid = False
-            raise fmt.UpdateFailedError(f"another worker of this TP group did not answer ({exc}); this worker stays "
-                                        "invalid and reloads the latest anchor at its next update") from None
+            raise fmt.GroupUnreachableError(f"another worker of this TP group did not answer ({exc}); this worker stays "
+                                            "invalid and reloads the latest anchor at its next update") from None
         columns = list(zip(*(g.tolist() for g in every), strict=True))
-        # the sum is taken modulo 2^64: exactly the checksum ring
+        # the sum is taken modulo 2^64: exactly the checksum ring (checksum2 lanes are small enough to stay exact)
         return [sum(c) & MASK64 for c in columns] if op == "sum" else [max(c) for c in columns]
 
     def _broadcast_plan(self, plan: dict | None) -> dict:
@@ -126,51 +168,114 @@ class DeltaReceiver:
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
         except RuntimeError as exc:
             self.valid = False
-            raise fmt.UpdateFailedError(f"TP rank 0 did not send its plan ({exc}); this worker stays invalid and "
-                                        "reloads the latest anchor at its next update") from None
+            raise fmt.GroupUnreachableError(f"TP rank 0 did not send its plan ({exc}); this worker stays invalid and "
+                                            "reloads the latest anchor at its next update") from None
         return box[0]
+
+    def _group_phase(self, fn: Callable[[], Any], what: str) -> Any:
+        """Run local work; if it fails on any worker, every worker raises.
+
+        Any exception counts, not only rltune's own: a worker that left the phase without the flag
+        reduction would leave the others waiting in it until the group's time-out. One that is not an
+        rltune error comes out as :class:`~rltune.sync.format.InternalSyncError`.
+        """
+        err: RltuneError | None = None
+        result = None
+        try:
+            result = fn()
+        except Exception as e:  # re-raised below, typed, after every worker has said whether it failed
+            err = _as_typed(e, what)
+        (failed,) = self._allreduce([1 if err else 0], op="max")
+        if err is not None:
+            raise err
+        if failed:
+            raise fmt.UpdateFailedError(f"{what} failed on another worker of this TP group; every worker fails this "
+                                        "update the same way (see that worker's error)")
+        return result
 
     # ------------------------------------------------------------------------- static checks
 
-    def _check_static(self, manifest: dict[str, Any]) -> None:
-        """Once per index map: dtypes match and the group covers each tensor evenly (multiplicity)."""
-        names = sorted(manifest["tensors"])
-        if self._multiplicity is not None and names == self._names:
+    def _spec_key(self, manifest: dict[str, Any]) -> tuple:
+        return tuple(sorted((n, t["dtype"], tuple(t["shape"]), t["tied_to"]) for n, t in manifest["tensors"].items()))
+
+    def _check_static(self, manifest: dict[str, Any], where: str) -> None:
+        """Whenever a manifest's names, dtypes or shapes differ from the last checked: they match the index
+        map, the parameters' dtypes, and the group covers each tensor evenly (multiplicity).
+
+        Every worker issues the same two reductions whatever it finds; a problem is raised after them.
+        """
+        key = self._spec_key(manifest)
+        if self._multiplicity is not None and key == self._static_key:
             return
-        counts, possums, dtype_error = [], [], None
-        for name in names:
-            t = manifest["tensors"][name]
-            runs = self.imap.tensors.get(name)
-            held = runs.held if runs is not None else 0
-            if held:
-                for pid in np.unique(runs.param):
-                    p = self.params[int(pid)]
-                    if str(p.dtype).removeprefix("torch.") != t["dtype"] and dtype_error is None:
-                        dtype_error = fmt.IndexMapError(f"{name}: engine parameter {self.imap.param_names[pid]} is {p.dtype}, "
-                                                f"checkpoint is {t['dtype']}: casting loads are not patchable in place")
-                ps = runs.length * (runs.ckpt_start + 1) + runs.length * (runs.length - 1) // 2
-                possums.append(int(sum(int(x) for x in ps)) & MASK64)
-            else:
-                possums.append(0)
-            counts.append(held)
+        names = sorted(manifest["tensors"])
+        counts, possums, problem = [], [], None
+        try:
+            problem = self._spec_problem(manifest, where)
+            for name in names:
+                t = manifest["tensors"][name]
+                runs = self.imap.tensors.get(name)
+                held = runs.held if runs is not None else 0
+                if held:
+                    for pid in np.unique(runs.param):
+                        p = self.params[int(pid)]
+                        if str(p.dtype).removeprefix("torch.") != t["dtype"] and problem is None:
+                            problem = fmt.IndexMapError(
+                                f"{where}: tensors.{name}.dtype: the engine parameter {self.imap.param_names[pid]} is "
+                                f"{p.dtype}, the checkpoint {t['dtype']}: casting loads are not patchable in place")
+                    ps = runs.length * (runs.ckpt_start + 1) + runs.length * (runs.length - 1) // 2
+                    possums.append(int(sum(int(x) for x in ps)) & MASK64)
+                else:
+                    possums.append(0)
+                counts.append(held)
+        except Exception as e:  # raised after the reductions, which every worker must issue
+            problem = problem or _as_typed(e, f"{where}: static check")
+            counts, possums = [0] * len(names), [0] * len(names)
         counts_all = self._allreduce(counts)
         possums_all = self._allreduce(possums)
-        if dtype_error is not None:  # raised after the reductions, which every worker must issue
-            raise dtype_error
+        if problem is not None:
+            raise problem
         mult = {}
         for name, c, s in zip(names, counts_all, possums_all, strict=True):
-            shape = manifest["tensors"][name]["shape"]
-            numel = int(np.prod(shape)) if shape else 1
+            numel = fmt.numel_of(manifest["tensors"][name]["shape"])
             if c == 0:
                 continue
             m = c // numel
             if c % numel or (m * (numel * (numel + 1) // 2)) & MASK64 != s:
-                raise fmt.IndexMapError(f"{name}: the TP group holds {c} element copies of {numel}, not an even cover; "
-                                        "its checksum cannot be verified")
+                raise fmt.IndexMapError(f"{where}: {name}: the TP group holds {c} element copies of {numel}, not an even "
+                                        "cover; its checksums cannot be verified")
             mult[name] = m
-        self._names, self._multiplicity = names, mult
+        self._names, self._multiplicity, self._static_key = names, mult, key
         if self._fused:
             self._fused_plan(manifest)
+
+    def _spec_problem(self, manifest: dict[str, Any], where: str) -> RltuneError | None:
+        """Why this manifest does not describe the tensors the index map was recorded for, or None."""
+        tensors = manifest["tensors"]
+        if self.imap.spec:
+            missing = sorted(set(self.imap.spec) - set(tensors))
+            extra = sorted(set(tensors) - set(self.imap.spec))
+            if missing or extra:
+                return fmt.IndexMapError(
+                    f"{where}: tensors: the manifest lacks {missing[:3]} / adds {extra[:3]} against the "
+                    f"{len(self.imap.spec)} tensors the engine's index map was recorded for; every tensor the engine "
+                    "holds must be covered: record the index map again (attach again) for this model")
+            for name, (shape, dtype) in self.imap.spec.items():
+                t = tensors[name]
+                if list(t["shape"]) != list(shape) or t["dtype"] != dtype:
+                    return fmt.IndexMapError(
+                        f"{where}: tensors.{name}: shape {t['shape']} {t['dtype']}, but the index map was recorded "
+                        f"for {list(shape)} {dtype}; record the index map again (attach again)")
+        for name, runs in self.imap.tensors.items():
+            if not runs.held:
+                continue
+            t = tensors.get(name)
+            if t is None:
+                return fmt.IndexMapError(f"{where}: tensors: {name}, which this engine holds, is not in the manifest; "
+                                         "no checksum would cover it: record the index map again (attach again)")
+            if fmt.numel_of(t["shape"]) != runs.numel:
+                return fmt.IndexMapError(f"{where}: tensors.{name}.shape: {t['shape']} holds {fmt.numel_of(t['shape'])} "
+                                         f"elements, the index map {runs.numel}; record the index map again")
+        return None
 
     def _fused_plan(self, manifest: dict[str, Any]):
         """The fused kernel's plan for this index map: built, and compiled, at the first load; its
@@ -191,31 +296,25 @@ class DeltaReceiver:
     # ------------------------------------------------------------------------- reading
 
     def _part_paths(self, step: int, manifest: dict, key: str) -> list[tuple[Path, int, dict]]:
-        step_dir = self.store.step_dir(step)
+        step_dir = self.store.checked_step_dir(step)
+        kind = "delta" if key == "parts" else "anchor"
         out = []
         for f in manifest[key]:
             path = fmt.safe_child(step_dir, f["file"])
-            kind = "delta" if key == "parts" else "anchor"
-            expect = dict(kind=kind, run_id=manifest["run_id"], step=step, rank=f["rank"], world=manifest["world"],
-                          base_step=manifest["base_step"] if kind == "delta" else None)
+            expect = dict(kind=kind, run_id=manifest["run_id"], attempt=manifest["attempt"], step=step, rank=f["rank"],
+                          world=manifest["world"], base_step=manifest["base_step"] if kind == "delta" else None)
             header, start = fmt.read_part_header(path, expect=expect, expect_bytes=f["bytes"])
-            for e in header["entries"]:
-                t = manifest["tensors"].get(e["name"])
-                if t is None or (kind == "delta" and t["tied_to"] is not None):
-                    raise fmt.ManifestSchemaError(f"{path}: entry {e['name']!r} is not a manifest tensor it may carry")
-                numel = int(np.prod(t["shape"])) if t["shape"] else 1
-                if e["stop"] > numel:
-                    raise fmt.ManifestSchemaError(f"{path}: entry {e['name']} range ends at {e['stop']} > {numel} elements")
+            fmt.check_part_entries(path, header, manifest)
             out.append((path, start, header))
+        fmt.check_cover(step_dir, manifest, [(p, h) for p, _, h in out])
         return out
 
-    def _decoded_entries(self, step: int):
+    def _decoded_entries(self, step: int, m: dict):
         """Each delta entry this worker holds any of, decoded: (checkpoint names it lands in, idx, diff).
 
         A tied tensor's changes land in every name tied to it; an entry whose tensors this worker
         does not hold is not even decoded.
         """
-        m = self.store.manifest(step)
         if m["kind"] == "full":
             raise fmt.ChainError(f"{self.store.step_dir(step)}: step {step} is a full checkpoint, not a delta")
         tied: dict[str, list[str]] = {}
@@ -229,15 +328,19 @@ class DeltaReceiver:
                 if not targets:
                     continue
                 bits = _DTYPE_BITS[m["tensors"][e["name"]]["dtype"]]
-                idx, diff = codec.decode(fmt.read_entry_bytes(path, start, e), e["start"], e["stop"], bits)
+                data = fmt.read_entry_bytes(path, start, e)
+                try:
+                    idx, diff = codec.decode(data, e["start"], e["stop"], bits)
+                except fmt.CodecError as exc:  # the codec knows bytes only: name the file and the entry
+                    raise fmt.CodecError(f"{path}: entry {e['name']}: {exc}") from None
                 if len(idx) != e["changes"]:
                     raise fmt.CodecError(f"{path}: entry {e['name']} decodes to {len(idx)} changes, header says {e['changes']}")
                 yield targets, idx, diff
 
-    def _read_changes(self, step: int) -> dict[str, list]:
+    def _read_changes(self, step: int, m: dict) -> dict[str, list]:
         """This worker's changes of a delta step: name -> [(param id, positions, diffs, checkpoint idx)]."""
         changes: dict[str, list] = {}
-        for targets, idx, diff in self._decoded_entries(step):
+        for targets, idx, diff in self._decoded_entries(step, m):
             for name in targets:
                 held, pid, pos = self.imap.tensors[name].locate(idx)
                 hidx, hdiff = idx[held], diff[held]
@@ -247,15 +350,15 @@ class DeltaReceiver:
                                                          torch.from_numpy(hdiff[sel]), torch.from_numpy(hidx[sel])))
         return changes
 
-    def _stage_changes(self, step: int) -> dict[str, Any]:
+    def _stage_changes(self, step: int, m: dict) -> dict[str, Any]:
         """A delta step's changes for the fused kernel, as one flat batch already on the device.
 
         Entries follow the parts; each names a layout (checkpoint tensor; a tied tensor gets its
         own entry with the same changes); the kernel skips changes this worker does not hold.
         """
-        self._fused_plan(self.store.manifest(step))
+        self._fused_plan(m)
         layouts, idx_parts, val_parts = [], [], []
-        for targets, idx, diff in self._decoded_entries(step):
+        for targets, idx, diff in self._decoded_entries(step, m):
             # differences wrap modulo 2^bits; as int32 (sign-wrapped) they add exactly in the kernel
             val = ((diff + (1 << 31)) & 0xFFFFFFFF) - (1 << 31)
             for name in targets:
@@ -279,43 +382,72 @@ class DeltaReceiver:
     def prefetch(self, step: int) -> bool:
         """Read and decode ``step``'s parts for this worker; False if it is not (yet) a readable delta.
 
-        Errors are not raised here: ``apply`` re-reads and reports them in the pause.
+        Never raises: the contract is True (staged for ``apply``) or False (``apply`` reads, and
+        reports any error, in the pause); the reason is kept in :attr:`last_prefetch_error`.
         """
+        self.last_prefetch_error = None
         try:
             m = self.store.manifest(step)
             if m["kind"] == "full":
                 return False
-            read = self._stage_changes if self._fused else self._read_changes
-            self._prefetched = {(m["run_id"], step): read(step)}
+            staged = self._stage_changes(step, m) if self._fused else self._read_changes(step, m)
+            self._prefetched = {(m["run_id"], step, m["attempt"]): staged}
             return True
-        except RltuneError:
-            self.store.forget(step)
+        except Exception as e:  # the contract: a bool, whatever the step holds
+            self.last_prefetch_error = _as_typed(e, f"prefetch of step {step}")
+            self._prefetched = {}
             return False
 
-    def apply(self, step: int) -> UpdateReport:
-        """Bring this worker (and its TP group) to ``step``, then verify; raises on any failure."""
-        return self._update(lambda: self._plan(step))
+    def apply(self, step: int, wait_s: float = 0.0) -> UpdateReport:
+        """Bring this worker (and its TP group) to ``step``, then verify; raises a typed error on any failure.
+
+        ``wait_s``: how long TP rank 0 waits (polite back-off) for the step's COMPLETE marker before
+        :class:`~rltune.sync.format.StepNotReadyError`; keep it below the group's time-out. A step that
+        is not there leaves the engine as it was (still valid at its step).
+        """
+        def plan():
+            if wait_s > 0:
+                self.store.wait_complete(step, wait_s)
+            return self._plan(step)
+        return self._update(plan)
 
     def load_latest(self) -> UpdateReport:
-        """Fresh, relaunched or failed engine: latest complete anchor (held rows only), replay, verify."""
+        """Fresh, relaunched or failed engine: latest complete anchor (held rows only), replay, verify;
+        an older anchor when the newest one is damaged."""
         def plan():
             steps = self.store.complete_steps()
             if not steps:
-                raise fmt.ChainError(f"{self.store.root}: no complete step to load yet")
-            self.valid = False
-            return self._plan(steps[-1])
+                raise fmt.StepNotReadyError(f"{self.store.root}: no complete step to load yet")
+            return self._plan(steps[-1], force_reload=True)
         return self._update(plan)
 
     # ------------------------------------------------------------------------- planning and execution
 
-    def _plan(self, target: int) -> dict:
+    def _plan(self, target: int, force_reload: bool = False) -> dict:
         m = self.store.manifest(target)
-        if self.valid and self.run_id == m["run_id"] and self.step == target:
-            return dict(action="none", target=target, anchor=None, deltas=[])
-        if self.valid and self.run_id == m["run_id"] and m["kind"] != "full" and m["base_step"] == self.step:
-            return dict(action="delta", target=target, anchor=None, deltas=[target])
-        anchor, deltas = self.store.chain(target)
-        return dict(action="reload", target=target, anchor=anchor, deltas=deltas)
+        ident = (m["run_id"], target, m["attempt"])
+        held = self.held
+        if not force_reload and held == ident:
+            return dict(action="none", target=target, candidates=[], attempts={target: m["attempt"]})
+        if not force_reload and held is not None and m["kind"] != "full" and held[0] == m["run_id"] \
+                and (m["base_step"], m["base_attempt"]) == (held[1], held[2]):
+            return dict(action="delta", target=target, candidates=[(None, [target])], attempts={target: m["attempt"]})
+        candidates = self.store.chains(target, limit=1 + self.max_fallbacks)
+        steps = {s for anchor, deltas in candidates for s in [anchor, *deltas]}
+        return dict(action="reload", target=target, candidates=candidates,
+                    attempts={s: self.store.manifest(s)["attempt"] for s in steps})
+
+    def _snapshot(self, attempts: dict[int, str]) -> dict[int, dict[str, Any]]:
+        """This worker's manifests of the plan's steps, each the attempt rank 0 planned with."""
+        mans = {}
+        for s, attempt in attempts.items():
+            m = self.store.manifest(s)
+            if m["attempt"] != attempt:
+                raise fmt.WrongStepError(f"{self.store.step_dir(s)}: step {s} is attempt {m['attempt']} here, but TP "
+                                         f"rank 0 planned with attempt {attempt}: the trainer republished it meanwhile; "
+                                         "nothing was changed, update again")
+            mans[s] = m
+        return mans
 
     def _update(self, make_plan: Callable[[], dict]) -> UpdateReport:
         t0 = time.perf_counter()
@@ -332,118 +464,136 @@ class DeltaReceiver:
         if self.rank == 0:
             try:
                 plan = timed("plan", make_plan)
-            except RltuneError as e:
-                plan = dict(error=e)  # every worker raises rank 0's own error (type and message)
+            except Exception as e:  # every worker raises rank 0's own error (type and message)
+                plan = dict(error=_as_typed(e, "planning the update"))
         plan = self._broadcast_plan(plan)
         if "error" in plan:
-            self.valid = False
-            raise plan["error"]
-        report = UpdateReport(plan["action"], plan["target"], plan["anchor"], list(plan["deltas"]), phases=phases)
+            raise plan["error"]  # nothing was written: the engine stays as it was
+        report = UpdateReport(plan["action"], plan["target"], phases=phases)
         if plan["action"] == "none":
             return report
-        timed("check", lambda: self._group_phase(self.before_write))
-        self.valid = False
-        manifest = timed("check", lambda: self._group_phase(lambda: self.store.manifest(plan["target"])))
-        timed("check", lambda: self._group_phase(lambda: self._check_static(manifest)))
-        if plan["action"] == "reload":
-            staged = timed("read", lambda: self._group_phase(lambda: self._read_anchor(plan["anchor"])))
-            timed("write", lambda: self._group_phase(lambda: self._write_anchor(plan["anchor"], staged)))
-            timed("verify", lambda: self._verify(plan["anchor"]))
-        for step in plan["deltas"]:
-            # every worker has read and decoded the delta before any worker writes a change of it
-            staged = timed("read", lambda s=step: self._group_phase(lambda: self._staged_delta(s)))
-            report.changes_applied += timed("write", lambda s=step, st=staged: self._group_phase(
-                lambda: self._apply_delta(s, st)))
-            timed("verify", lambda s=step: self._verify(s))
-        self.valid, self.step, self.run_id = True, plan["target"], manifest["run_id"]
+        mans = timed("check", lambda: self._group_phase(lambda: self._snapshot(plan["attempts"]), "reading manifests"))
+        timed("check", lambda: self._group_phase(self.before_write, "the engine's pre-write check"))
+        for s, m in sorted(mans.items()):
+            where = str(self.store.step_dir(s) / fmt.MANIFEST_NAME)
+            timed("check", lambda m=m, where=where: self._group_phase(lambda: self._check_static(m, where),
+                                                                     "checking the manifest against the index map"))
+        candidates = plan["candidates"]
+        first_error: RltuneError | None = None
+        for i, (anchor, deltas) in enumerate(candidates):
+            try:
+                report.changes_applied = self._run_chain(anchor, deltas, mans, timed)
+            except fmt.GroupUnreachableError:
+                raise  # a worker is gone: another chain would wait on it again
+            except RltuneError as e:
+                first_error = first_error or e
+                if plan["action"] != "reload" or i == len(candidates) - 1:
+                    raise first_error from None  # the newest anchor's error: what the trainer can fix
+                report.fallbacks.append(dict(anchor=anchor, error=type(e).__name__, message=str(e)))
+                continue
+            report.anchor, report.deltas = anchor, list(deltas)
+            break
+        m = mans[plan["target"]]
+        self.valid, self.step, self.run_id, self.attempt = True, plan["target"], m["run_id"], m["attempt"]
         report.seconds = time.perf_counter() - t0
         return report
 
-    def _group_phase(self, fn: Callable[[], Any]) -> Any:
-        """Run local work; if it fails on any worker, every worker raises (and stays invalid).
+    def _run_chain(self, anchor: int | None, deltas: list[int], mans: dict[int, dict], timed) -> int:
+        """Load ``anchor`` (unless None) and apply ``deltas``, verifying each; returns the changes written.
 
-        Any exception counts, not only rltune's own: a worker that left the phase without the flag
-        reduction would leave the others waiting in it until the group's time-out.
+        Each step is read (every worker) before anything of it is written; the receiver turns invalid
+        only when its first write starts.
         """
-        err: Exception | None = None
-        result = None
-        try:
-            result = fn()
-        except Exception as e:  # re-raised below, after every worker has said whether it failed
-            err = e
-        (failed,) = self._allreduce([1 if err else 0], op="max")
-        if err is not None:
-            raise err
-        if failed:
-            raise fmt.UpdateFailedError("the update failed on another worker of this TP group; "
-                                    "every worker will reload the latest anchor and replay at the next update")
-        return result
+        applied = 0
+        if anchor is not None:
+            m = mans[anchor]
+            staged = timed("read", lambda: self._group_phase(lambda: self._read_anchor(anchor, m),
+                                                             f"reading step {anchor}'s anchor"))
+            self.valid = False
+            timed("write", lambda: self._group_phase(lambda: self._write_anchor(anchor, staged),
+                                                     f"writing step {anchor}'s anchor"))
+            timed("verify", lambda: self._verify(anchor, m))
+        for step in deltas:
+            m = mans[step]
+            staged = timed("read", lambda s=step, m=m: self._group_phase(lambda: self._staged_delta(s, m),
+                                                                         f"reading step {s}'s delta"))
+            self.valid = False
+            applied += timed("write", lambda s=step, st=staged, m=m: self._group_phase(
+                lambda: self._apply_delta(s, st, m), f"applying step {s}'s delta"))
+            timed("verify", lambda s=step, m=m: self._verify(s, m))
+        return applied
 
-    def _staged_delta(self, step: int) -> Any:
-        """``step``'s changes for this worker: the prefetched ones, or read and decoded now."""
-        key = (self.store.manifest(step)["run_id"], step)
-        staged = self._prefetched.pop(key, None)
+    def _staged_delta(self, step: int, m: dict) -> Any:
+        """``step``'s changes for this worker: the prefetched ones (of this very attempt), or read and decoded now."""
+        staged = self._prefetched.pop((m["run_id"], step, m["attempt"]), None)
         self._prefetched.clear()
         if staged is None:
-            staged = self._stage_changes(step) if self._fused else self._read_changes(step)
+            staged = self._stage_changes(step, m) if self._fused else self._read_changes(step, m)
         return staged
 
-    def _apply_delta(self, step: int, staged: Any) -> int:
+    def _apply_delta(self, step: int, staged: Any, m: dict) -> int:
         if self._fused:
-            return self._apply_fused(step, staged)
+            return self._apply_fused(step, staged, m)
         applied = 0
         for name, items in staged.items():
-            change = 0
+            change, change2 = 0, 0
             for pid, pos, diff, idx in items:
                 p = self.params[pid]
                 dev = p.device
-                change += self.apply_fn(as_bits(p.data), pos.to(dev), diff.to(dev), idx.to(dev))
+                bits = as_bits(p.data)
+                pos_d, idx_d = pos.to(dev), idx.to(dev)
+                before = bits[pos_d].clone()
+                change += self.apply_fn(bits, pos_d, diff.to(dev), idx_d)
+                # checksum2 from what memory holds now, not from what the apply function reports
+                change2 = checksum2_add(change2, checksum2_update_ref(idx_d, before, bits[pos_d]))
                 applied += int(pos.numel())
             self._shares[name] = (self._shares.get(name, 0) + change) & MASK64
+            self._shares2[name] = checksum2_add(self._shares2.get(name, 0), change2)
         self.step = step
         self.deltas_applied += 1
         return applied
 
-    def _apply_fused(self, step: int, staged: dict[str, Any]) -> int:
-        """One kernel launch patches every tensor; one host sync reads the per-entry checksum changes."""
-        plan = self._fused_plan(self.store.manifest(step))
+    def _apply_fused(self, step: int, staged: dict[str, Any], m: dict) -> int:
+        """One kernel launch patches every tensor; one host sync reads the per-entry changes of both checksums."""
+        plan = self._fused_plan(m)
         result = plan.apply(staged["entry_tensor_E"], staged["entry_offsets_E1"], staged["idx_C"], staged["val_C"],
-                            add=True)
+                            add=True, mix=True)
         changes, written = result.to_host()
-        for name, change in zip(staged["entry_names"], changes, strict=True):
+        changes2 = result.checksums2()
+        for name, change, change2 in zip(staged["entry_names"], changes, changes2, strict=True):
             self._shares[name] = (self._shares.get(name, 0) + change) & MASK64
+            self._shares2[name] = checksum2_add(self._shares2.get(name, 0), change2)
         self.step = step
         self.deltas_applied += 1
         return int(sum(written))
 
-    def _read_anchor(self, step: int) -> list[tuple[str, list[tuple[int, int, torch.Tensor]]]]:
+    def _read_anchor(self, step: int, m: dict) -> list[tuple[str, list[tuple[int, int, torch.Tensor]]]]:
         """Every row of ``step``'s anchor this worker holds, read and CRC-checked, nothing written yet:
         per checkpoint tensor, (parameter id, first parameter element, wire bits) pieces."""
-        m = self.store.manifest(step)
         by_name: dict[str, list] = {}
         for path, start, header in self._part_paths(step, m, "anchors"):
             for e in header["entries"]:
                 by_name.setdefault(e["name"], []).append((path, start, e))
         staged = []
         for name, runs in self.imap.tensors.items():
-            if not runs.held or name not in m["tensors"]:
+            if not runs.held:
                 continue
             bits = _DTYPE_BITS[m["tensors"][name]["dtype"]]
             pieces = self._read_tensor(name, runs, by_name.get(name, []), bits)
             written = sum(int(src.numel()) for _, _, src in pieces)
             if written != runs.held:
-                raise fmt.ChainError(f"{self.store.step_dir(step)}: anchor slices cover {written} of the {runs.held} "
-                                     f"elements of {name} this worker holds")
+                raise fmt.AnchorCoverError(f"{self.store.step_dir(step)}: step {step}: anchor slices cover {written} of "
+                                           f"the {runs.held} elements of {name} this worker holds")
             staged.append((name, pieces))
         return staged
 
     def _write_anchor(self, step: int, staged: list[tuple[str, list[tuple[int, int, torch.Tensor]]]]) -> None:
-        self._shares = {}
+        self._shares, self._shares2 = {}, {}
         for name, pieces in staged:
             for pid, pos, src in pieces:
                 dst = as_bits(self.params[pid].data)
                 dst[pos: pos + src.numel()] = src.to(dst.device)
-            self._shares[name] = self._full_share(self.imap.tensors[name])
+            self._shares[name], self._shares2[name] = self._full_share(self.imap.tensors[name])
         self.step = step
         self.anchor_loads += 1
 
@@ -468,12 +618,13 @@ class DeltaReceiver:
                 pieces.append((pid, ps + a - cs, src[a - lo: b - lo]))
         return pieces
 
-    def _full_share(self, runs: TensorRuns) -> int:
-        total = 0
+    def _full_share(self, runs: TensorRuns) -> tuple[int, int]:
+        total, total2 = 0, 0
         for cs, ln, pid, ps in zip(runs.ckpt_start.tolist(), runs.length.tolist(), runs.param.tolist(),
                                    runs.param_start.tolist(), strict=True):
-            total += checksum_bits(as_bits(self.params[pid].data)[ps: ps + ln], offset=cs)
-        return total & MASK64
+            c1, c2 = checksum_pair(as_bits(self.params[pid].data)[ps: ps + ln], offset=cs)
+            total, total2 = total + c1, checksum2_add(total2, c2)
+        return total & MASK64, total2
 
     def before_write(self) -> None:
         """Runs on every worker, as one group phase, before an update writes anything.
@@ -484,16 +635,32 @@ class DeltaReceiver:
 
     def recompute_shares(self) -> None:
         """Recompute every share from the parameters (O(weights)); for checks after outside writes."""
-        self._shares = {n: self._full_share(r) for n, r in self.imap.tensors.items() if r.held}
+        self._shares, self._shares2 = {}, {}
+        for n, r in self.imap.tensors.items():
+            if r.held:
+                self._shares[n], self._shares2[n] = self._full_share(r)
 
-    def _verify(self, step: int) -> None:
-        m = self.store.manifest(step)
+    def verify(self, step: int) -> None:
+        """Check the shares held now against ``step``'s manifest (both checksums, group-wide)."""
+        self._verify(step, self.store.manifest(step))
+
+    def _verify(self, step: int, m: dict) -> None:
         names = [n for n in self._names if n in self._multiplicity]
-        sums = self._allreduce([self._shares.get(n, 0) for n in names])
-        bad = [n for n, s in zip(names, sums, strict=True)
-               if s != (self._multiplicity[n] * int(m["tensors"][n]["checksum"])) & MASK64]
+        lanes = [checksum2_lanes(self._shares2.get(n, 0)) for n in names]
+        sums = self._allreduce([self._shares.get(n, 0) for n in names] + [a for a, _ in lanes] + [b for _, b in lanes])
+        k = len(names)
+        bad = []
+        for j, n in enumerate(names):
+            t, mult = m["tensors"][n], self._multiplicity[n]
+            if sums[j] != (mult * int(t["checksum"])) & MASK64:
+                bad.append((n, "checksum"))
+            elif (sums[k + j] % P31, sums[2 * k + j] % P31) != checksum2_lanes(checksum2_scale(int(t["checksum2"]), mult)):
+                bad.append((n, "checksum2"))
         if bad:
             self.valid = False
+            only2 = all(which == "checksum2" for _, which in bad)
             raise fmt.ChecksumMismatchError(
-                f"{self.store.step_dir(step)}: {len(bad)} tensor(s) differ from the trainer checksum after the update, "
-                f"first {bad[0]}; the next update reloads the latest anchor and replays")
+                f"{self.store.step_dir(step) / fmt.MANIFEST_NAME}: step {step}: {len(bad)} tensor(s) differ from the "
+                f"trainer's tensors.<name>.{bad[0][1]} after the update, first {bad[0][0]}"
+                + (" (the position-weighted checksum matched: an edit whose weighted changes cancel)" if only2 else "")
+                + "; the next update reloads an anchor and replays")

@@ -32,6 +32,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -43,9 +45,17 @@ from rltune.errors import RltuneError
 from rltune.sync import codec, store
 from rltune.sync import format as fmt
 from rltune.sync.chunked import DEFAULT_MAX_ELEMENTS, chunked_step
-from rltune.sync.kernels import ChangeCapacityError, ChangeSink, KernelBackendError
-from rltune.sync.kernels.cpu_kernels import checksum_bits
-from rltune.sync.kernels.reference import MASK64, checksum_update_ref, diff_ref
+from rltune.sync.kernels import ChangeCapacityError, ChangeSink, KernelBackendError, checksum_pair
+from rltune.sync.kernels.reference import (
+    MASK64,
+    P31,
+    checksum2_add,
+    checksum2_contributions_ref,
+    checksum2_pack,
+    checksum2_update_ref,
+    checksum_update_ref,
+    diff_ref,
+)
 from rltune.sync.ops import wire_bits, wire_diff, wire_width
 
 DEFAULT_CHUNK_ELEMENTS = DEFAULT_MAX_ELEMENTS
@@ -106,7 +116,17 @@ class DeltaPublisherConfig:
     world: int = 1
     """Trainer ranks publishing together (data parallel: each holds the full tensors)."""
     run_id: str | None = None
-    """Names one training run in every file; engines reload when it changes. None: a random id."""
+    """Names one training run in every file; engines reload when it changes. None: a random id (single
+    rank only: ranks must agree on it)."""
+    incarnation: str | None = None
+    """Names this start of the trainer's processes, the same on every rank: each publish's attempt id
+    is made from (run_id, incarnation, step), so the files a crashed or earlier start left behind are
+    never taken for this one's. None: a random one on a single rank; with world > 1 torchelastic's
+    ``TORCHELASTIC_RUN_ID``/``TORCHELASTIC_RESTART_COUNT`` when set, else "0" (then a restart must
+    change run_id)."""
+    keep_anchors: int = 2
+    """Anchors (with the deltas after each) kept on disk: 2 keeps the previous anchor's chain, so an
+    engine that finds the latest anchor damaged falls back to it and replays every delta since."""
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
     """Elements per optimizer update the diff hook sees (small parameters together, large ones in chunks)."""
     wire_dtype: torch.dtype | None = None
@@ -138,6 +158,10 @@ class DeltaPublisherConfig:
 
         if self.interval < 1:
             raise bad("interval", f"must be >= 1 (an anchor every N steps), got {self.interval}")
+        if self.keep_anchors < 1:
+            raise bad("keep_anchors", f"must be >= 1 (the latest anchor's chain), got {self.keep_anchors}")
+        if self.incarnation is not None and (not isinstance(self.incarnation, str) or len(self.incarnation) > 256):
+            raise bad("incarnation", "must be a string of at most 256 characters")
         if self.world < 1 or not 0 <= self.rank < self.world:
             raise bad("rank", f"rank {self.rank} outside world {self.world}; use 0 <= rank < world")
         if self.chunk_elements < 1:
@@ -154,6 +178,9 @@ class DeltaPublisherConfig:
             raise bad("change_capacity", f"change_capacity must be in (0, 1], got {self.change_capacity}")
         if self.wire_dtype is not None and self.wire_dtype not in _DTYPE_NAMES:
             raise bad("wire_dtype", f"{self.wire_dtype} has no wire format; use torch.bfloat16")
+        if self.world > 1 and self.run_id is None:
+            raise bad("run_id", f"with world {self.world} every rank must be given the same run_id; a random one "
+                      "per rank would never match")
 
 
 class DeltaPublisher:
@@ -186,6 +213,10 @@ class DeltaPublisher:
         self.model, self.optimizer, self.root = model, optimizer, Path(root)
         self.interval, self.rank, self.world = config.interval, config.rank, config.world
         self.run_id = config.run_id or uuid.uuid4().hex
+        self.incarnation = config.incarnation if config.incarnation is not None else (
+            uuid.uuid4().hex if config.world == 1 else
+            f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}:{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+        self.keep_anchors = config.keep_anchors
         self.chunk_elements, self.wire_dtype = config.chunk_elements, config.wire_dtype
         self.finalize_timeout_s, self.dense_fraction = config.finalize_timeout_s, config.dense_fraction
         self.encoder, self.differ = config.encoder, config.differ
@@ -213,6 +244,7 @@ class DeltaPublisher:
                 raise fmt.SyncFormatError(f"tensor {n}: dtype {wire} has no wire format; set wire_dtype=torch.bfloat16")
 
         self._checksums: dict[str, int] = {}  # this rank's checksum share per first name, as published
+        self._checksums2: dict[str, int] = {}  # and its checksum2 share (packed lanes)
         self._static_copy: dict[str, torch.Tensor] = {}
         self._pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._update_old: list[torch.Tensor] = []  # torch differ: the update's old wire bits, per chunk
@@ -220,7 +252,9 @@ class DeltaPublisher:
         self._overflow = False  # the step changed more than the sink holds: publish it full
         self._stepped = False
         self._last_step: int | None = None
-        self._anchor_complete_at_last_publish: int | None = None
+        self._last_attempt: str | None = None
+        self._anchors: list[int] = []  # anchor and full steps this publisher completed
+        self._anchors_at_last_publish: list[int] = []
 
     # -------------------------------------------------------------------------------- helpers
 
@@ -261,9 +295,15 @@ class DeltaPublisher:
         a, b = self.ranges[name]
         return wire_bits(self.tensors[name], self._wire_dtype(name))[a:b]
 
-    def _share(self, name: str) -> int:
-        # every publish checks every live tensor against its running checksum: compiled on a CPU
-        return checksum_bits(self._bits(name), offset=self.ranges[name][0])
+    def _share(self, name: str) -> tuple[int, int]:
+        """(checksum, checksum2) of this rank's share of ``name``, from the live weights."""
+        return checksum_pair(self._bits(name), offset=self.ranges[name][0])
+
+    def attempt_id(self, step: int) -> str:
+        """The attempt id of this publisher's publish of ``step``: the same on every rank of one
+        incarnation, different for any other incarnation or run."""
+        key = f"{self.run_id}\0{self.incarnation}\0{step}".encode()
+        return hashlib.sha256(key).hexdigest()[:32]
 
     # -------------------------------------------------------------------------------- the step
 
@@ -324,6 +364,8 @@ class DeltaPublisher:
                 old_changed = old[idx]
                 self._checksums[name] = (self._checksums[name] + checksum_update_ref(idx + a, old_changed,
                                                                                      new_changed)) & MASK64
+                self._checksums2[name] = checksum2_add(self._checksums2[name],
+                                                       checksum2_update_ref(idx + a, old_changed, new_changed))
                 self._pending.setdefault(name, []).append((idx + a, wire_diff(old_changed, new_changed,
                                                                               wire_width(new))))
         self._update_old = []
@@ -363,26 +405,36 @@ class DeltaPublisher:
         idx_all, new_all, old_all = self._sink.step_changes()
         idx_all = idx_all.clone()
         diffs: dict[int, torch.Tensor] = {}
+        # checksum2 from the same changes, in one pass: per-change lane values, summed per chunk as
+        # differences of a running sum (each value < 2**32, so the int64 sums are exact)
+        lane_a, lane_b = checksum2_contributions_ref(idx_all, old_all, new_all)
+        cum = torch.stack([lane_a.cumsum(0), lane_b.cumsum(0)]).cpu() if idx_all.numel() else None
         for name, a, b, change in spans:
             if b > a:
                 bits = self._wire_dtype(name).itemsize * 8
                 if bits not in diffs:
                     diffs[bits] = wire_diff(old_all, new_all, bits)
                 self._checksums[name] = (self._checksums[name] + change) & MASK64
+                la = int(cum[0, b - 1]) - (int(cum[0, a - 1]) if a else 0)
+                lb = int(cum[1, b - 1]) - (int(cum[1, a - 1]) if a else 0)
+                self._checksums2[name] = checksum2_add(self._checksums2[name], checksum2_pack(la % P31, lb % P31))
                 self._pending.setdefault(name, []).append((idx_all[a:b], diffs[bits][a:b]))
 
     # -------------------------------------------------------------------------------- publishing
 
-    def _verify_live(self) -> None:
+    def _verify_live(self, step: int) -> None:
+        # both checksums: an outside edit whose position-weighted changes cancel still moves checksum2
         for name in self.first_names:
             if name in self.static_names:
                 continue
-            live = self._share(name)
-            if live != self._checksums[name]:
-                raise fmt.WeightChangedOutsideStepError(
-                    f"tensor {name}: live checksum {live} != {self._checksums[name]} from the last publish plus the "
-                    "step's changes; a weight changed outside the optimizer step (in-place edit, load_state_dict). "
-                    "Call publish() right after such a change only via a full checkpoint: publisher.force_full()")
+            live, live2 = self._share(name)
+            for which, got, want in (("checksum", live, self._checksums[name]),
+                                     ("checksum2", live2, self._checksums2[name])):
+                if got != want:
+                    raise fmt.WeightChangedOutsideStepError(
+                        f"step {step}: tensor {name}: live {which} {got} != {want} from the last publish plus the "
+                        "step's changes; a weight changed outside the optimizer step (in-place edit, "
+                        "load_state_dict). Publish such a change as a full checkpoint: publisher.force_full()")
 
     def force_full(self) -> None:
         """Make the next publish a full checkpoint (after weights were changed outside the optimizer)."""
@@ -394,36 +446,47 @@ class DeltaPublisher:
         if self._last_step is not None and step <= self._last_step:
             raise fmt.ChainError(f"publish({step}) after publish({self._last_step}): steps must increase")
         step_dir = self.root / fmt.step_dir_name(step)
+        attempt = self.attempt_id(step)
+        if self._last_step is None and self.rank == 0:
+            # a resumed (or restarted) trainer: steps above this one belong to a timeline it does not
+            # continue; readers must not take them for its latest
+            store.remove_after(self.root, step)
+        store.clean_leftovers(step_dir, self.rank, attempt, self.world)
         if self._stepped and self._last_step is not None and not self._overflow:
             kind = "anchor" if step % self.interval == 0 else "delta"
-            self._verify_live()
+            self._verify_live(step)
             if kind == "delta" and self._dense():
                 kind = "full"
         else:
             kind = "full"
         base_step = None if kind == "full" else self._last_step
-        header = dict(run_id=self.run_id, step=step, rank=self.rank, world=self.world)
+        base_attempt = None if kind == "full" else self._last_attempt
+        header = dict(run_id=self.run_id, attempt=attempt, step=step, rank=self.rank, world=self.world)
         files: dict[str, bytes] = {}
         if kind != "full":
             files[fmt.part_file_name(self.rank, "delta")] = self._delta_part(dict(header, kind="delta", base_step=base_step))
         if kind != "delta":
             for name in self.first_names:
-                self._checksums[name] = self._share(name)
+                self._checksums[name], self._checksums2[name] = self._share(name)
             for name in self.static_names:
                 self._static_copy[name] = self._bits(name).clone()
             files[fmt.part_file_name(self.rank, "anchor")] = self._anchor_part(dict(header, kind="anchor", base_step=None))
         shares = {n: str(self._checksums[self.tied_to[n] or n]) for n in self.names}
-        summary = dict(rank=self.rank, checksums=shares,
+        shares2 = {n: str(self._checksums2[self.tied_to[n] or n]) for n in self.names}
+        summary = dict(rank=self.rank, attempt=attempt, checksums=shares, checksums2=shares2,
                        files=[dict(rank=self.rank, file=f, bytes=len(d)) for f, d in files.items()])
         store.write_rank_files(step_dir, self.rank, files, summary)
         self._pending.clear()
         self._stepped = self._overflow = False
-        self._last_step = step
+        self._last_step, self._last_attempt = step, attempt
+        if kind != "delta":
+            self._anchors.append(step)
         if self.rank != 0:
             return None
         tensors = {n: dict(dtype=_DTYPE_NAMES[self._wire_dtype(n)], shape=list(self.tensors[n].shape),
-                           checksum="0", tied_to=self.tied_to[n]) for n in self.names}
-        manifest = store.finalize_step(step_dir, dict(run_id=self.run_id, step=step, kind=kind, base_step=base_step,
+                           checksum="0", checksum2="0", tied_to=self.tied_to[n]) for n in self.names}
+        manifest = store.finalize_step(step_dir, dict(run_id=self.run_id, attempt=attempt, step=step, kind=kind,
+                                                      base_step=base_step, base_attempt=base_attempt,
                                                       world=self.world, tensors=tensors), self.world,
                                        self.finalize_timeout_s)
         self._prune()
@@ -438,11 +501,14 @@ class DeltaPublisher:
         return total > 0 and changed > self.dense_fraction * total
 
     def _prune(self) -> None:
-        # An old chain goes only once a newer anchor was already complete at the previous broadcast, so an
-        # engine that planned a replay of the old chain one broadcast ago still finds it.
-        if self._anchor_complete_at_last_publish is not None:
-            store.prune_before(self.root, self._anchor_complete_at_last_publish)
-        self._anchor_complete_at_last_publish = store.BroadcastStore(self.root).latest_loadable()
+        # An old chain goes only once keep_anchors newer anchors were already complete at the previous
+        # broadcast, so an engine that planned a replay of it one broadcast ago still finds it, and one
+        # that finds the latest anchor damaged still has the one before. Only this publisher's own
+        # anchors count: a resumed trainer never prunes by a step of the timeline it replaced.
+        kept = self._anchors_at_last_publish[-self.keep_anchors:]
+        if len(kept) == self.keep_anchors:
+            store.prune_before(self.root, kept[0])
+        self._anchors_at_last_publish = list(self._anchors)
 
     def _delta_part(self, header: dict[str, Any]) -> bytes:
         names, jobs = [], []
@@ -457,7 +523,7 @@ class DeltaPublisher:
                     continue
                 old = self._static_copy[name][idx]
                 diff = wire_diff(old, new, wire_width(cur))
-                self._checksums[name] = self._share(name)
+                self._checksums[name], self._checksums2[name] = self._share(name)
                 self._static_copy[name] = cur.clone()
                 idx = idx + lo
             else:

@@ -156,9 +156,12 @@ class AutoLoop:
         return f"{stem}-x{n}"
 
     def _start_run(self, run_id: str, role: str, round_no: int, knobs: dict, **fields: Any) -> Event:
+        from rltune.tune.trial import trial_steps
+
         run_dir = self.workdir / "runs" / run_id
+        steps = trial_steps(self.job, knobs, self.steps) if role == "trial" else self.steps
         return self._emit("run_start", run_id=run_id, run_dir=self._rel(run_dir), role=role, round=round_no,
-                          knobs=knobs, steps=self.steps, metrics_path=self._rel(metrics_path_of(self.job, self.job_path, run_dir)),
+                          knobs=knobs, steps=steps, metrics_path=self._rel(metrics_path_of(self.job, self.job_path, run_dir)),
                           **fields)
 
     # -- the loop -------------------------------------------------------------------------------

@@ -31,7 +31,9 @@ from rltune.profile.stats import (
     mean_over,
     median_over,
     number,
+    rounds_problem,
     standard_error_frac,
+    whole_rounds,
 )
 
 # Below this mean |logp_train - logp_rollout| (nats) a gap is numerical noise of the kernels, not a
@@ -163,21 +165,27 @@ def judge(limits: Limits, baseline: Sequence[Row], candidate: Sequence[Row], unt
           untuned_noise_pct: float | None = None) -> Judgement:
     """Hold ``candidate`` (one or more runs' rows) to every limit against ``baseline`` and ``untuned``."""
     steps = comparable_steps(baseline, candidate) if baseline and candidate else []
+    base_steps = steps
+    if baseline and candidate and not steps and whole_rounds(baseline) and whole_rounds(candidate):
+        # No whole round of both fits in the steps both ran (the candidate's rounds are longer than
+        # the baseline ran): each is timed on its own whole rounds, a step's cost over its rounds.
+        steps, base_steps = whole_rounds(candidate), whole_rounds(baseline)
     checks: list[LimitCheck] = []
-    base_s = mean_over(baseline, "step_s", steps) if steps else None
+    base_s = mean_over(baseline, "step_s", base_steps) if steps else None
     cand_s = mean_over(candidate, "step_s", steps) if steps else None
-    noise = measured_noise(limits, baseline, steps or None, untuned_noise_pct)
+    noise = measured_noise(limits, baseline, base_steps or None, untuned_noise_pct)
     # Rounded so that float noise cannot turn a gain of exactly the noise into a pass.
     gain = round(gain_pct(base_s, cand_s), 6) if base_s and cand_s is not None else None
-    base_med = median_over(baseline, "step_s", steps) if steps else None
+    base_med = median_over(baseline, "step_s", base_steps) if steps else None
     cand_med = median_over(candidate, "step_s", steps) if steps else None
     if gain is None:
         checks.append(LimitCheck(name="speed", value=None, threshold=noise.pct, passed=False,
-                                 detail="no step measured by both runs outside warm-up"))
+                                 detail=rounds_problem(baseline, candidate) or "no step measured by both runs outside warm-up"))
     else:
+        where = f"steps {steps}" if base_steps == steps else f"steps {steps} (baseline: its steps {base_steps})"
         checks.append(LimitCheck(
             name="speed", value=gain, threshold=noise.pct, passed=gain > noise.pct,
-            detail=(f"mean step {cand_s:.4g} s vs baseline {base_s:.4g} s over steps {steps} (medians {_fmt(cand_med)} vs "
+            detail=(f"mean step {cand_s:.4g} s vs baseline {base_s:.4g} s over {where} (medians {_fmt(cand_med)} vs "
                     f"{_fmt(base_med)} s); must be faster by more than the noise, {noise.pct:.3g}%: {noise.detail}")))
 
     untuned_gap = mean_over(untuned, "gap")
@@ -203,7 +211,7 @@ def judge(limits: Limits, baseline: Sequence[Row], candidate: Sequence[Row], unt
 
     for name, column in (("trials_cut_off", "trials_cut_off"), ("trials_failed", "trials_failed")):
         share = trial_share(candidate, column, steps)
-        base_share = trial_share(baseline, column, steps)
+        base_share = trial_share(baseline, column, base_steps)
         if share is None or base_share is None:
             checks.append(LimitCheck(name=name, value=share, threshold=base_share, passed=None,
                                      detail="not measured by both runs"))

@@ -15,6 +15,7 @@ library is finished and has its verdict; anything else is run again under a new 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,22 @@ STAGE_NAMES = ("rollout", "training", "weight_sync", "old_logprob")
 
 # Exit codes of 'rltune trial' (and of 'rltune profile' for a job that failed); 2 is bad input.
 EXIT_KEPT, EXIT_REJECTED, EXIT_FAILED = 0, 3, 4
+
+
+def trial_steps(job: JobSpec, knobs: dict[str, KnobValue], steps: int | None = None) -> int:
+    """Steps a run of ``knobs`` gets: the job's (or ``steps``), raised where one generation round feeds
+    several optimizer steps so that the run measures two whole rounds after its warm-up (a mean over
+    part of a round is wrong by up to the round's generation; :mod:`rltune.profile.stats`)."""
+    from rltune.launch.job import run_steps
+    from rltune.predict.setup import setup_from_job
+    from rltune.predict.theory import Features, generation_cadence
+
+    base = run_steps(job, steps)
+    cadence = math.ceil(float(generation_cadence(Features([setup_from_job(job, knobs)]))[0]) - 1e-9)
+    if cadence <= 1:
+        return base
+    first_round = cadence * math.ceil(job.limits.warmup_steps / cadence)  # steps before the first measured round
+    return max(base, first_round + 2 * cadence)
 
 
 def overrides_against(job: JobSpec, knobs: dict[str, KnobValue]) -> dict[str, KnobValue]:
@@ -159,6 +176,7 @@ def run_trial(job: JobSpec, job_path: str | Path, candidate: CandidateForecast, 
     process submitted instead of starting them again.
     """
     knobs = {**baseline_knobs, **candidate.overrides}
+    steps = trial_steps(job, knobs, steps)
     run_root = Path(run_root)
     runs: list[RecordedRun] = []
     for attempt, rid in enumerate((run_id, f"{run_id}-again")):

@@ -248,9 +248,9 @@ def _check_engine_args(cfg: WorkloadConfig, file: str, EngineArgs) -> dict[str, 
 
 def write_boot_checkpoint(module, directory: Path, engine_dtype) -> Path:
     """The trainer's initial weights, cast to the engines' dtype, as a Hugging Face checkpoint the engines boot from."""
-    from safetensors.torch import save_file
-
     import copy
+
+    from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     config = copy.deepcopy(module.config)

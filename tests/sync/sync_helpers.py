@@ -10,12 +10,13 @@ from rltune.sync.sender import DeltaPublisher, SignSGD
 from rltune.sync.toy_engine import ToyEngine, ToyEngineConfig
 
 
-def tiny_qwen3(kv_heads: int = 2, tie: bool = False, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+def tiny_qwen3(kv_heads: int = 2, tie: bool = False, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+               hidden: int = 32, heads: int = 4, head_dim: int = 8, intermediate: int = 64, max_positions: int = 64):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=8,
-                      max_position_embeddings=64, tie_word_embeddings=tie)
+    cfg = Qwen3Config(vocab_size=128, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      max_position_embeddings=max_positions, tie_word_embeddings=tie)
     torch.manual_seed(seed)
     return Qwen3ForCausalLM(cfg).to(dtype)
 
@@ -25,15 +26,17 @@ class Trainer:
 
     def __init__(self, root, interval=3, optimizer="adamw", lr=1e-3, kv_heads=2, tie=False,
                  dtype=torch.bfloat16, wire_dtype=None, chunk_elements=1000, rank=0, world=1, run_id="run-a",
-                 dense_fraction=None, encoder="auto", differ="torch", change_capacity=0.1, fused=None):
-        self.model = tiny_qwen3(kv_heads, tie, dtype)
+                 dense_fraction=None, encoder="auto", differ="torch", change_capacity=0.1, fused=None, incarnation=None,
+                 keep_anchors=2, model_kw=None):
+        self.model = tiny_qwen3(kv_heads, tie, dtype, **(model_kw or {}))
         if optimizer == "adamw":
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01, fused=fused)
         else:
             self.opt = SignSGD(self.model.parameters(), lr=lr, weight_decay=0.01)
         self.pub = DeltaPublisher(self.model, self.opt, root, interval, rank=rank, world=world, run_id=run_id,
                                   chunk_elements=chunk_elements, wire_dtype=wire_dtype, dense_fraction=dense_fraction,
-                                  encoder=encoder, differ=differ, change_capacity=change_capacity)
+                                  encoder=encoder, differ=differ, change_capacity=change_capacity,
+                                  incarnation=incarnation, keep_anchors=keep_anchors)
         self.gen = torch.Generator().manual_seed(1)
 
     def train_step(self):

@@ -48,16 +48,83 @@ def test_checksum_kernel_equals_reference(n, width):
 
 @pytest.mark.parametrize("width", [16, 32, 8])
 @pytest.mark.parametrize("n", AWKWARD_SIZES)
-def test_the_compiled_cpu_checksum_equals_reference(n, width):
-    from rltune.sync.kernels.cpu_kernels import checksum_bits, checksum_cpu
+def test_checksum2_kernel_equals_reference(n, width):
+    bits = random_bits(n, width, seed=n + width + 1)
+    for offset in (0, 5, (1 << 32) - 3, (1 << 40) - n - 1):  # an offset whose elements cross 2^32
+        assert K.checksum2(bits, offset=offset, backend="triton") == R.checksum2_ref(bits.cpu(), offset)
+    if n:
+        assert R.checksum2_ref(bits.cpu()) != 0, "reference is zero"
+
+
+def _checksum2_by_hand(values: list[int], offset: int = 0) -> int:
+    # docs/delta-format.md's definition with Python integers: an implementation independent of torch
+    def mix32(x):
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    p, a, b = (1 << 31) - 1, 0, 0
+    for k, u in enumerate(values):
+        i = offset + k
+        h = mix32((i & 0xFFFFFFFF) ^ (((i >> 32) * 0x9E3779B9) & 0xFFFFFFFF))
+        a += ((h & ((1 << 30) - 1)) + 1) * (u % p)
+        b += ((mix32(h ^ 0x5BD1E995) & ((1 << 30) - 1)) + 1) * (u % p)
+    return ((a % p) << 32) | (b % p)
+
+
+def test_checksum2_golden_values():
+    # bf16 1.0, 2.0, 3.0, -0.5 are 0x3F80, 0x4000, 0x4040, 0xBF00: fixed numbers, so neither the
+    # definition nor an implementation can drift unnoticed
+    t = torch.tensor([1.0, 2.0, 3.0, -0.5], dtype=torch.bfloat16)
+    u = [0x3F80, 0x4000, 0x4040, 0xBF00]
+    assert R.checksum2_ref(R.as_bits(t)) == _checksum2_by_hand(u) == 0x6ED63C99_2C3C8C67
+    assert R.checksum_ref(R.as_bits(t)) == 1 * 0x3F80 + 2 * 0x4000 + 3 * 0x4040 + 4 * 0xBF00
+    big = [0xFFFFFFFF, 0x7FFFFFFF, 0x80000000, 0]  # fp32 patterns at the lane prime's edges
+    bits = torch.tensor([x - (1 << 32) if x >= 1 << 31 else x for x in big], dtype=torch.int32)
+    assert R.checksum2_ref(bits, offset=(1 << 32) - 2) == _checksum2_by_hand(big, (1 << 32) - 2)
+    assert K.checksum2(bits, offset=(1 << 32) - 2, backend="triton") == _checksum2_by_hand(big, (1 << 32) - 2)
+
+
+def test_checksum2_sees_edits_whose_position_weighted_changes_cancel():
+    # +2 at element i and -1 at element 2i + 1 move sum (i+1) * u by 2(i+1) - (2i+2) = 0; and
+    # (+1, -3, +3, -1) on four neighbours cancels any weighting polynomial in i up to degree 2
+    base = torch.full((64,), 0x3F80, dtype=torch.int16)
+    for edits in ({5: 2, 11: -1}, {20: 1, 21: -3, 22: 3, 23: -1}):
+        edited = base.clone()
+        for i, d in edits.items():
+            edited[i] += d
+        assert R.checksum_ref(edited) == R.checksum_ref(base)
+        assert R.checksum2_ref(edited) != R.checksum2_ref(base)
+        assert K.checksum2(edited, backend="triton") == R.checksum2_ref(edited)
+
+
+def test_checksum2_shares_of_a_partition_add_up_lane_by_lane():
+    bits = random_bits(10_000, 16, seed=3)
+    whole = R.checksum2_ref(bits.cpu(), offset=7)
+    parts = [R.checksum2_ref(bits.cpu()[a:b], offset=7 + a) for a, b in ((0, 3333), (3333, 9000), (9000, 10_000))]
+    total = 0
+    for part in parts:
+        total = R.checksum2_add(total, part)
+    assert total == whole and R.checksum2_scale(whole, 2) == R.checksum2_add(whole, whole)
+
+
+@pytest.mark.parametrize("width", [16, 32, 8])
+@pytest.mark.parametrize("n", AWKWARD_SIZES)
+def test_the_compiled_cpu_checksums_equal_the_references(n, width):
+    from rltune.sync.kernels.cpu_kernels import checksum2_cpu, checksum_cpu
 
     bits = random_bits(n, width, seed=2 * n + width, device="cpu")
-    for offset in (0, 3, (1 << 40) + 7, (1 << 62) + 11):  # products and sums past 2^64 wrap as the reference's
-        assert checksum_cpu(bits, offset) == R.checksum_ref(bits, offset) == checksum_bits(bits, offset)
+    for offset in (0, 3, (1 << 32) - 3, (1 << 40) + 7, (1 << 62) + 11):  # products and sums past 2^64 wrap as the reference's
+        assert checksum_cpu(bits, offset) == R.checksum_ref(bits, offset) == K.checksum(bits, offset)
+        assert checksum2_cpu(bits, offset) == R.checksum2_ref(bits, offset) == K.checksum2(bits, offset)
     if n > 1:
         assert checksum_cpu(bits[1:], 1) == R.checksum_ref(bits[1:], 1)  # a slice's share, as the publisher takes it
+        assert checksum2_cpu(bits[1:], 1) == R.checksum2_ref(bits[1:], 1)
     full = torch.full((4097,), -1, dtype=BITS[width])  # every element at its largest unsigned value
     assert checksum_cpu(full, (1 << 62) - 5) == R.checksum_ref(full, (1 << 62) - 5)
+    assert checksum2_cpu(full, (1 << 40) - 5) == R.checksum2_ref(full, (1 << 40) - 5)
 
 
 def test_checksum_of_a_float_tensor_uses_its_wire_bits():
@@ -227,9 +294,10 @@ def _fused_device(backend: str) -> str:
     return "cpu" if backend == "numba" else DEVICE
 
 
+@pytest.mark.parametrize("mix", [False, True])
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)
 @pytest.mark.parametrize("add", [True, False])
-def test_fused_apply_equals_reference_with_strides_tables_and_mixed_widths(add, backend):
+def test_fused_apply_equals_reference_with_strides_tables_and_mixed_widths(add, backend, mix):
     rows, ncols = 40, 33
     dev = _fused_device(backend)
     params = [random_bits(rows * ncols, 16, seed=1, device=dev), random_bits(2 * rows * ncols + 10, 16, seed=2, device=dev),
@@ -253,9 +321,12 @@ def test_fused_apply_equals_reference_with_strides_tables_and_mixed_widths(add, 
         layouts[4] = K.table_layout(0, ncols, shuffled_rows, cols)
     ref_params = [p.cpu().clone() for p in params]
     plan = K.ApplyPlan(params, layouts, backend=backend)
-    got = plan.apply(entry_tensor, offsets, idx, val, add=add)
-    want_sums, want_written = R.apply_deltas_ref(ref_params, layouts, entry_tensor, offsets, idx, val, add)
+    got = plan.apply(entry_tensor, offsets, idx, val, add=add, mix=mix)
+    want = R.apply_deltas_ref(ref_params, layouts, entry_tensor, offsets, idx, val, add, mix=mix)
+    want_sums, want_written = want[:2]
     assert got.checksums() == want_sums and got.written() == want_written
+    if mix:
+        assert got.checksums2() == want[2] and any(want[2]), "reference checksum2 changes are all zero"
     for p, r in zip(params, ref_params, strict=True):
         assert torch.equal(p.cpu(), r)
     assert want_written[3] > 0 and 0 < want_written[4] < offsets[5] - offsets[4], "column slice skipped nothing"
@@ -265,6 +336,7 @@ def test_fused_apply_equals_reference_with_strides_tables_and_mixed_widths(add, 
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)
 @pytest.mark.parametrize("add", [True, False])
 def test_fused_apply_blocks_within_one_entry_take_the_contiguous_path_exactly(add, backend):
+    # both checksums: the contiguous path adds the checksum2 lanes of whole blocks
     # 3000 changes of one entry fill whole kernel blocks; the held row window skips some of them
     params = [random_bits(60 * 100 + 50, 16, seed=1, device=_fused_device(backend))]
     layouts = [K.strided_layout(0, [60, 100], base=50 - 200, rows=(2, 50)), K.strided_layout(0, [50])]
@@ -273,9 +345,9 @@ def test_fused_apply_blocks_within_one_entry_take_the_contiguous_path_exactly(ad
     val = random_bits(idx.numel(), 16, seed=4, device="cpu").to(torch.int32)
     entry_tensor, offsets = torch.tensor([0, 1]), torch.tensor([0, 3000, idx.numel()])
     ref = [params[0].cpu().clone()]
-    got = K.ApplyPlan(params, layouts, backend=backend).apply(entry_tensor, offsets, idx, val, add=add)
-    want_sums, want_written = R.apply_deltas_ref(ref, layouts, entry_tensor, offsets, idx, val, add)
-    assert got.checksums() == want_sums and got.written() == want_written
+    got = K.ApplyPlan(params, layouts, backend=backend).apply(entry_tensor, offsets, idx, val, add=add, mix=True)
+    want_sums, want_written, want_mix = R.apply_deltas_ref(ref, layouts, entry_tensor, offsets, idx, val, add, mix=True)
+    assert got.checksums() == want_sums and got.written() == want_written and got.checksums2() == want_mix
     assert torch.equal(params[0].cpu(), ref[0])
     assert 0 < want_written[0] < 3000
 
@@ -370,10 +442,11 @@ def test_kernels_equal_references_at_real_sizes_on_cuda():
     idx = torch.cat([want[0] - (1 << 35), want[0][:1000] - (1 << 35)])
     val = random_bits(idx.numel(), 32, seed=14, device="cuda")
     entry_tensor, offsets = torch.tensor([0, 1]), torch.tensor([0, want[0].numel(), idx.numel()])
-    result = K.ApplyPlan(params, layouts).apply(entry_tensor, offsets, idx, val, add=True)
-    sums, written = R.apply_deltas_ref(ref, layouts, entry_tensor, offsets, idx, val, True)
-    assert result.checksums() == sums and result.written() == written
+    result = K.ApplyPlan(params, layouts).apply(entry_tensor, offsets, idx, val, add=True, mix=True)
+    sums, written, mixes = R.apply_deltas_ref(ref, layouts, entry_tensor, offsets, idx, val, True, mix=True)
+    assert result.checksums() == sums and result.written() == written and result.checksums2() == mixes
     assert all(torch.equal(p, r) for p, r in zip(params, ref, strict=True))
+    assert K.checksum2(params[1], offset=5) == R.checksum2_ref(params[1], 5)
 
 
 @pytest.mark.gpu
@@ -443,8 +516,9 @@ def test_the_compiled_cpu_apply_splits_a_large_delta_over_two_threads_exactly():
     ref = [p.clone() for p in params]
     from rltune.sync.kernels.cpu_kernels import apply_deltas_cpu
 
-    sums, written = apply_deltas_cpu(params, layouts, entry_tensor, offsets, idx, val, add=True, threads=2)
-    want_sums, want_written = R.apply_deltas_ref(ref, layouts, entry_tensor, offsets, idx, val, True)
-    assert [s & R.MASK64 for s in sums] == want_sums and written == want_written
+    sums, written, mixes = apply_deltas_cpu(params, layouts, entry_tensor, offsets, idx, val, add=True, threads=2,
+                                            mix=True)
+    want_sums, want_written, want_mix = R.apply_deltas_ref(ref, layouts, entry_tensor, offsets, idx, val, True, mix=True)
+    assert [s & R.MASK64 for s in sums] == want_sums and written == want_written and mixes == want_mix
     for p, r in zip(params, ref, strict=True):
         assert torch.equal(p, r)

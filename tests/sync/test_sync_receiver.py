@@ -99,13 +99,20 @@ def test_applying_the_held_step_again_is_a_no_op(run, tmp_path):
 
 
 def _expect_failure_then_heal(run, root, rx, engine, step, error, repair):
+    """A fault found while reading leaves the engine valid at the step it held, its weights untouched,
+    and the repaired step applies as a delta; one found after writing (a checksum) leaves it invalid,
+    and it heals by anchor reload + replay."""
+    held = rx.step
     with pytest.raises(error):
         rx.apply(step)
-    assert not rx.valid
+    if error is fmt.ChecksumMismatchError:
+        assert not rx.valid
+    else:
+        assert rx.valid and rx.step == held
+        _assert_at(run, engine, held)
     repair()
-    rx.store.forget(step)
     report = rx.apply(step)
-    assert report.action == "reload"  # healed by anchor reload + replay
+    assert report.action == ("reload" if error is fmt.ChecksumMismatchError else "delta")
     _assert_at(run, engine, step)
 
 
@@ -127,6 +134,12 @@ def test_bit_flip_in_an_anchor_is_detected(run, tmp_path):
     bad = bytearray(good)
     bad[len(good) // 2] ^= 0x01
     path.write_bytes(bytes(bad))
+    engine, rx = make_receiver(root, run["cfg"], run["m0"])
+    report = rx.load_latest()  # falls back to anchor 0 and replays deltas 1..5 (anchor 3 as a delta)
+    assert (report.anchor, report.deltas) == (0, [1, 2, 3, 4, 5])
+    assert [(f["anchor"], f["error"]) for f in report.fallbacks] == [(3, "CorruptBytesError")]
+    _assert_at(run, engine, 5)
+    shutil.rmtree(root / fmt.step_dir_name(0))  # no older anchor left to fall back to
     engine, rx = make_receiver(root, run["cfg"], run["m0"])
     with pytest.raises(fmt.CorruptBytesError):
         rx.load_latest()
@@ -196,6 +209,7 @@ def test_a_wrong_value_in_an_anchor_with_valid_crcs_fails_the_tensor_checksum(ru
 
     path = root / fmt.step_dir_name(3) / "rank-00000.anchor"
     _fix_manifest_size(root, 3, _rewrite_part(path, flip_one), key="anchors")
+    shutil.rmtree(root / fmt.step_dir_name(0))  # no older anchor to fall back to
     engine, rx = make_receiver(root, run["cfg"], run["m0"])
     with pytest.raises(fmt.ChecksumMismatchError, match="down_proj"):
         rx.load_latest()
@@ -234,9 +248,10 @@ def test_a_part_from_another_step_is_detected(run, tmp_path):
 def test_double_applied_delta_is_refused_by_the_plan_and_caught_by_the_checksum(run, tmp_path):
     engine, rx = _receiver_at(run, run["root"], 4)
     assert rx.apply(4).action == "none"  # the plan never applies a delta onto its own result
-    rx._apply_delta(4, rx._staged_delta(4))  # force it past the plan (what a stale cache did to peers)
+    m4 = rx.store.manifest(4)
+    rx._apply_delta(4, rx._staged_delta(4, m4), m4)  # force it past the plan (what a stale cache did to peers)
     with pytest.raises(fmt.ChecksumMismatchError):
-        rx._verify(4)
+        rx.verify(4)
     rx.valid = False
     assert rx.apply(4).action == "reload"
     _assert_at(run, engine, 4)
@@ -244,9 +259,10 @@ def test_double_applied_delta_is_refused_by_the_plan_and_caught_by_the_checksum(
 
 def test_skipped_delta_is_replayed_by_the_plan_and_caught_by_the_checksum(run, tmp_path):
     engine, rx = _receiver_at(run, run["root"], 3)
-    rx._apply_delta(5, rx._staged_delta(5))  # skips 4
+    m5 = rx.store.manifest(5)
+    rx._apply_delta(5, rx._staged_delta(5, m5), m5)  # skips 4
     with pytest.raises(fmt.ChecksumMismatchError):
-        rx._verify(5)
+        rx.verify(5)
     engine2, rx2 = _receiver_at(run, run["root"], 3)
     report = rx2.apply(5)  # the plan follows base_step links: 4 then 5
     assert (report.action, report.anchor, report.deltas) == ("reload", 3, [4, 5])
@@ -255,7 +271,12 @@ def test_skipped_delta_is_replayed_by_the_plan_and_caught_by_the_checksum(run, t
 
 def test_off_by_one_step_bookkeeping_is_caught_and_heals(run, tmp_path):
     engine, rx = _receiver_at(run, run["root"], 3)
-    rx.step = 4  # believes it holds 4 but holds 3: the plan takes 5 as the next delta
+    rx.step = 4  # believes it holds step 4 but holds 3 (and 3's attempt): 5's base_attempt is not it
+    report = rx.apply(5)
+    assert (report.action, report.anchor, report.deltas) == ("reload", 3, [4, 5])
+    _assert_at(run, engine, 5)
+    engine, rx = _receiver_at(run, run["root"], 3)
+    rx.step, rx.attempt = 4, rx.store.manifest(4)["attempt"]  # wholly wrong bookkeeping: the plan takes 5 as a delta
     with pytest.raises(fmt.ChecksumMismatchError):
         rx.apply(5)
     assert rx.apply(5).action == "reload"
@@ -279,10 +300,10 @@ def test_manifest_path_outside_the_root_is_refused(run, tmp_path):
     engine, rx = _receiver_at(run, root, 3)
     d = root / fmt.step_dir_name(4)
     m = json.loads((d / fmt.MANIFEST_NAME).read_text())
-    raw = json.dumps(dict(m, parts=[dict(rank=0, file="../../../etc/passwd", bytes=100)])).encode()
+    bad = dict(m, parts=[dict(rank=0, file="../../../etc/passwd", bytes=100)])
+    raw = json.dumps(bad).encode()
     (d / fmt.MANIFEST_NAME).write_bytes(raw)
-    (d / fmt.COMPLETE_NAME).write_text(json.dumps(dict(format_version=1, step=4, manifest_bytes=len(raw),
-                                                       manifest_crc32=fmt.crc32(raw))))
+    (d / fmt.COMPLETE_NAME).write_bytes(fmt.marker_bytes(raw, bad))
     with pytest.raises(fmt.ManifestPathError, match="etc/passwd"):
         rx.apply(4)
 
@@ -366,7 +387,7 @@ def test_fused_apply_follows_an_engine_that_moved_a_parameter(run, tmp_path):
 def test_fused_staging_skips_tensors_this_worker_does_not_hold(run):
     engine, rx = make_receiver(run["root"], run["cfg"], run["m0"], tp_rank=1, tp_size=2, fused=True,
                                fused_backend="torch")
-    staged = rx._stage_changes(4)
+    staged = rx._stage_changes(4, rx.store.manifest(4))
     held = {n for n, r in rx.imap.tensors.items() if r.held}
     assert set(staged["entry_names"]) <= held and staged["entry_names"]
     assert staged["idx_C"].numel() == int(staged["entry_offsets_E1"][-1]) and staged["val_C"].dtype == torch.int32

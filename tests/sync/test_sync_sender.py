@@ -152,19 +152,27 @@ def test_frozen_tensors_are_diffed_against_the_checkpoint_copy(tmp_path):
     assert m1["kind"] == "delta"
 
 
-def test_old_chains_are_pruned_only_after_a_newer_anchor_was_complete_one_broadcast_earlier(tmp_path):
+@pytest.mark.parametrize("keep", [1, 2])
+def test_old_chains_are_pruned_only_after_newer_anchors_were_complete_one_broadcast_earlier(tmp_path, keep):
     tr = Trainer(tmp_path, interval=3)
+    tr.pub = DeltaPublisher(tr.model, tr.opt, tmp_path, 3, run_id="run-a", chunk_elements=1000, keep_anchors=keep)
     tr.pub.publish(0)
     present = []
-    for s in range(1, 8):
+    for s in range(1, 11):
         tr.train_step()
         tr.pub.publish(s)
         present.append(BroadcastStore(tmp_path).complete_steps())
-    assert present[2] == [0, 1, 2, 3]         # anchor 3 just completed: chain 0..2 kept
-    assert present[3] == [3, 4]               # one broadcast later it goes
-    assert present[5] == [3, 4, 5, 6]
-    assert present[6] == [6, 7]
-    assert not any(n.startswith(".") for n in os.listdir(tmp_path / fmt.step_dir_name(7)))  # no temp files left
+    if keep == 1:
+        assert present[2] == [0, 1, 2, 3]         # anchor 3 just completed: chain 0..2 kept
+        assert present[3] == [3, 4]               # one broadcast later it goes
+        assert present[5] == [3, 4, 5, 6]
+        assert present[6] == [6, 7]
+    else:  # the default: the previous anchor's chain stays, to fall back to when the latest anchor is damaged
+        assert present[3] == [0, 1, 2, 3, 4]
+        assert present[5] == [0, 1, 2, 3, 4, 5, 6]
+        assert present[6] == [3, 4, 5, 6, 7]      # anchors 3 and 6 kept, the chain before 3 goes
+        assert present[9] == [6, 7, 8, 9, 10]
+    assert not any(n.startswith(".") for n in os.listdir(tmp_path / fmt.step_dir_name(10)))  # no temp files left
 
 
 def test_two_trainer_ranks_write_their_own_slices_without_a_gather(tmp_path):
@@ -192,7 +200,7 @@ def test_gpu_encoder_publishes_the_host_encoders_bytes(tmp_path):
     parts = []
     for encoder in ("host", "gpu"):
         root = tmp_path / encoder
-        tr = Trainer(root, interval=10, lr=1e-5, encoder=encoder)  # a few % changed, as real steps
+        tr = Trainer(root, interval=10, lr=1e-5, encoder=encoder, incarnation="i")  # a few % changed, as real steps
         tr.pub.publish(0)
         tr.train_step()
         tr.pub.publish(1)
@@ -221,7 +229,7 @@ def test_triton_differ_publishes_the_reference_bytes(tmp_path, optimizer, dtype,
         root = tmp_path / differ
         lr = 1e-5 if optimizer == "adamw" else 1e-3
         tr = Trainer(root, interval=3, optimizer=optimizer, lr=lr, dtype=dtype, wire_dtype=wire_dtype, rank=rank,
-                     world=world, differ=differ, change_capacity=1.0)
+                     world=world, differ=differ, change_capacity=1.0, incarnation="i")
         assert (tr.pub._sink is not None) == (differ == "triton")
         tr.pub.publish(0)
         kinds = []
@@ -281,7 +289,8 @@ def test_triton_differ_on_the_gpu_publishes_the_reference_bytes(tmp_path, impl):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=impl == "fused" or None,
                                 foreach=impl == "foreach")
         pub = None if name == "plain" else DeltaPublisher(model, opt, tmp_path / name, 3, differ=name, run_id="gpu",
-                                                            chunk_elements=1 << 20, change_capacity=0.5)
+                                                            chunk_elements=1 << 20, change_capacity=0.5,
+                                                            incarnation="i")
         if pub is not None:
             pub.publish(0)
         copies[name] = (model, opt, pub)
@@ -394,10 +403,13 @@ def test_a_step_beyond_the_change_capacity_goes_out_full_and_the_chain_goes_on(t
     ("dense_fraction", 1.5, r"dense_fraction: must be in \(0, 1\]"),
     ("encoder", "tpu", "encoder must be auto, gpu or host"),
     ("wire_dtype", torch.int8, "no wire format"),
+    ("keep_anchors", 0, "keep_anchors: must be >= 1"),
+    ("incarnation", 7, "incarnation: must be a string"),
+    ("run_id", None, "every rank must be given the same run_id"),
 ])
 def test_every_publisher_option_is_checked_when_the_config_is_made(field, value, problem):
     with pytest.raises(PublisherConfigError, match=problem):
-        DeltaPublisherConfig(**{"world": 2, field: value})
+        DeltaPublisherConfig(**{"world": 2, "run_id": "r", field: value})
 
 
 def test_the_publisher_takes_its_options_from_one_config_and_refuses_unknown_ones(tmp_path):

@@ -100,6 +100,24 @@ def start_engine(model_dir: Path, tp: int = 1, extension: bool = True):
     return llm
 
 
+def held_differences(worker, state: dict) -> list[str]:
+    """In a worker (``llm.collective_rpc(held_differences, args=(state,))``): the checkpoint tensors whose
+    elements this worker holds, through the index map vLLM's own loader recorded, differ from ``state``."""
+    from rltune.sync.kernels.reference import as_bits
+
+    sync = worker._rltune_state
+    params = [sync.params[n] for n in sync.index_map.param_names]
+    bad = []
+    for name, runs in sync.index_map.tensors.items():
+        src = as_bits(state[name].contiguous()).reshape(-1)
+        for cs, ln, pid, ps in zip(runs.ckpt_start.tolist(), runs.length.tolist(), runs.param.tolist(),
+                                   runs.param_start.tolist(), strict=True):
+            if not torch.equal(as_bits(params[pid].data).reshape(-1)[ps:ps + ln].cpu(), src[cs:cs + ln]):
+                bad.append(name)
+                break
+    return bad
+
+
 PROMPTS = [[11 + i, 7, 400 + 3 * i, 5, 8000 - i] for i in range(4)]
 
 

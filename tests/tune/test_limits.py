@@ -177,3 +177,96 @@ def test_a_limit_that_is_not_a_finite_number_is_refused_with_the_field(tmp_path,
     path.write_text(text)
     with pytest.raises(WrongTypeError, match=r"limits\.noise_pct: expected a finite number"):
         load_job(path)
+
+
+# -- generation rounds of several steps: real TRL runs on an H200 (tests/data/trl-h200/README.md) ----
+
+TRL_H200 = REPO_ROOT / "tests" / "data" / "trl-h200"
+
+
+def trl_rows(name):
+    import pyarrow.parquet as pq
+
+    return pq.read_table(TRL_H200 / f"{name}.stages.parquet").to_pylist()
+
+
+def test_a_round_of_several_steps_is_timed_in_whole_rounds():
+    from rltune.profile.stats import generation_cycle, mean_over, whole_rounds
+
+    reuse4 = trl_rows("r2-c3-a1")  # generates at steps 1, 5 and 9; warm-up 1-2
+    names = ("r0-untuned", "r1-c5-a1", "r2-c3-a1", "r3-c3-a1")
+    assert [generation_cycle(trl_rows(n)) for n in names] == [1, 2, 4, 8]
+    assert whole_rounds(reuse4) == list(range(5, 13)) and whole_rounds(trl_rows("r3-c3-a1")) == list(range(9, 25))
+    expected = sum(r["step_s"] for r in reuse4 if 5 <= r["step"] <= 12) / 8
+    assert mean_over(reuse4, "step_s") == pytest.approx(expected)
+    # steps 3-12 hold two generations in ten steps, not one in four
+    partial = sum(r["step_s"] for r in reuse4 if r["step"] >= 3) / 10
+    assert partial < 0.95 * expected  # 1.74 s against 1.92 s
+
+
+def test_a_trial_is_judged_on_whole_rounds_and_its_noise_on_rounds():
+    from rltune.profile.stats import standard_error_frac
+
+    untuned = trl_rows("r0-untuned") + trl_rows("r0-untuned-2")
+    reuse2, reuse4 = trl_rows("r1-c5-a1"), trl_rows("r2-c3-a1")
+    j = judge(Limits(noise_pct=4), untuned, reuse4, untuned)
+    assert j.steps == [5, 6, 7, 8]  # the untuned runs end at 8: one whole round both ran
+    base = sum(r["step_s"] for r in untuned if 5 <= r["step"] <= 8) / 8
+    cand = sum(r["step_s"] for r in reuse4 if 5 <= r["step"] <= 8) / 4
+    assert j.gain_pct == pytest.approx(100 * (1 - cand / base), abs=1e-4)
+    # rounds of 2 against rounds of 4: whole rounds of both, from a step where both generate
+    assert judge(Limits(), reuse2, reuse4, untuned).steps == [5, 6, 7, 8]
+    # a run's standard error comes from its rounds' means: two rounds of four steps
+    values = [r["step_s"] for r in reuse4 if 5 <= r["step"] <= 12]
+    rounds = [sum(values[:4]) / 4, sum(values[4:]) / 4]
+    import statistics
+
+    assert standard_error_frac(reuse4) == pytest.approx(statistics.stdev(rounds) / 2 ** 0.5 / (sum(values) / 8))
+    assert standard_error_frac([r for r in reuse4 if r["step"] <= 8]) is None  # one round says nothing of the next
+
+
+def test_a_run_shorter_than_its_round_has_no_step_time_and_says_why():
+    from rltune.profile.stats import generation_cycle, mean_over
+
+    reuse8 = [r for r in trl_rows("r3-c3-a1") if r["step"] <= 8]  # the first 8 steps: one generation
+    assert generation_cycle(reuse8) is None and mean_over(reuse8, "step_s") is None
+    j = judge(Limits(), trl_rows("r0-untuned"), reuse8, trl_rows("r0-untuned"))
+    speed = check(j, "speed")
+    assert speed.passed is False and "no whole round" in speed.detail and "limits.steps" in speed.detail
+
+
+def test_rounds_longer_than_the_baseline_ran_are_timed_on_each_run_own_rounds():
+    reuse4, reuse8 = trl_rows("r2-c3-a1"), trl_rows("r3-c3-a1")  # 12 steps in rounds of 4; 24 in rounds of 8
+    j = judge(Limits(noise_pct=4), reuse4, reuse8, trl_rows("r0-untuned"))
+    assert j.steps == list(range(9, 25))
+    assert j.baseline_step_s == pytest.approx(sum(r["step_s"] for r in reuse4 if r["step"] >= 5) / 8)
+    assert j.step_s == pytest.approx(sum(r["step_s"] for r in reuse8 if r["step"] >= 9) / 16)
+    assert "baseline: its steps [5, 6, 7, 8, 9, 10, 11, 12]" in check(j, "speed").detail
+    assert check(j, "sample_age_mean").passed is False  # 3.5 versions on average: the age limit holds
+
+
+def test_a_trial_whose_round_outruns_the_baseline_is_timed_on_its_own_rounds():
+    base = run([9.0] + [2.0] * 7, first=1)  # steps 2-8 measured, every one generates
+    rounds = [(3.0 if (s - 1) % 4 == 0 else 0.0001) for s in range(1, 13)]
+    cand = run([9.0, 1.0, 1.0, 1.0, 4.0, 1.0, 1.0, 1.0, 4.0, 1.0, 1.0, 1.0], first=1, rollout_s=rounds)
+    cand = [dict(r, warmup=r["step"] <= 2) for r in cand]
+    j = judge(Limits(noise_pct=4), base, cand, base)
+    # common steps 3-8 hold one whole round (5-8) of the candidate: compared there
+    assert j.steps == [5, 6, 7, 8] and j.step_s == pytest.approx(7 / 4) and j.baseline_step_s == pytest.approx(2.0)
+    short = [r for r in base if r["step"] <= 6]
+    j = judge(Limits(noise_pct=4), short, cand, short)
+    # the baseline ends at 6: the candidate's rounds 5-12 against every step the baseline measured
+    assert j.steps == [5, 6, 7, 8, 9, 10, 11, 12] and j.baseline_step_s == pytest.approx(2.0)
+    assert "baseline: its steps [2, 3, 4, 5, 6]" in check(j, "speed").detail
+
+
+def test_a_trial_of_several_steps_a_round_gets_two_whole_rounds():
+    from rltune.contracts.job import load_job
+    from rltune.tune.trial import trial_steps
+
+    job = load_job(REPO_ROOT / "presets" / "trl-grpo-h200.yaml")  # steps 10, warm-up 2, 128 samples a step
+    assert trial_steps(job, dict(job.knobs)) == 10
+    assert trial_steps(job, {**job.knobs, "batch_reuse": 4}) == 4 + 8
+    assert trial_steps(job, {**job.knobs, "batch_reuse": 8}) == 8 + 16
+    assert trial_steps(job, {**job.knobs, "generation_batch_size": 256, "batch_reuse": 2}) == 4 + 8
+    assert trial_steps(job, {**job.knobs, "batch_reuse": 2}, steps=30) == 30

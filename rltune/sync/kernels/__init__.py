@@ -8,6 +8,7 @@ compares every kernel with its reference bit for bit. ``backend="torch"`` forces
 API::
 
     checksum(t, offset=0) -> int                     # sum (offset+i+1) * u[i] mod 2**64
+    checksum2(t, offset=0) -> int                    # hash-weighted, two lanes mod 2**31 - 1 (packed)
     checksums(tensors) -> list[int]                  # one host sync for a whole parameter set
     diff_extract(old_bits, new_bits, offset=0) -> (idx_C, new_C, old_C, checksum_change)
     sink = ChangeSink(capacity, max_chunk_elements, max_chunks, device)   # reused step after step
@@ -38,9 +39,12 @@ import torch
 from rltune.errors import RltuneError
 from rltune.sync.kernels.reference import (
     MASK64,
+    P31,
     apply_deltas_ref,
     as_bits,
     bits_dtype,
+    checksum2_pack,
+    checksum2_ref,
     checksum_ref,
     diff_extract_ref,
 )
@@ -99,11 +103,41 @@ def _checksum_device(t: torch.Tensor, offset: int) -> torch.Tensor:
     return _triton().checksum_partials(bits, offset, _MASK_OF_BITS[bits.dtype]).sum()
 
 
+def _compiled_cpu(name: str, t: torch.Tensor, offset: int) -> int | None:
+    """A checksum of CPU bits by the compiled pass of :mod:`.cpu_kernels` (equal to the reference bit
+    for bit, ~100 x faster), or None where it does not apply (another device, no numba)."""
+    bits = _bits(t)
+    if bits.device.type != "cpu" or bits.dtype not in (torch.int16, torch.int32, torch.uint8):
+        return None
+    try:
+        from rltune.sync.kernels import cpu_kernels
+    except ImportError:
+        return None
+    return getattr(cpu_kernels, name)(bits.contiguous(), offset)
+
+
 def checksum(t: torch.Tensor, offset: int = 0, backend: str = "auto") -> int:
     """Position-weighted checksum of a tensor's wire bits (or of a bits view), as ``checksum_ref``."""
     if not _use_triton(t.device, backend):
-        return checksum_ref(_bits(t), offset)
+        compiled = _compiled_cpu("checksum_cpu", t, offset)
+        return checksum_ref(_bits(t), offset) if compiled is None else compiled
     return int(_checksum_device(t, offset)) & MASK64
+
+
+def checksum2(t: torch.Tensor, offset: int = 0, backend: str = "auto") -> int:
+    """Packed second checksum of a tensor's wire bits (or of a bits view), as ``checksum2_ref``."""
+    if not _use_triton(t.device, backend):
+        compiled = _compiled_cpu("checksum2_cpu", t, offset)
+        return checksum2_ref(_bits(t), offset) if compiled is None else compiled
+    bits = _bits(t)
+    lanes = _triton().checksum2_partials(bits, offset, _MASK_OF_BITS[bits.dtype]).sum(dim=1).tolist()
+    return checksum2_pack(int(lanes[0]) % P31, int(lanes[1]) % P31)
+
+
+def checksum_pair(t: torch.Tensor, offset: int = 0, backend: str = "auto") -> tuple[int, int]:
+    """(checksum, checksum2) of a tensor's wire bits: what a holder of elements ``[offset, offset + N)``
+    publishes or verifies as its share."""
+    return checksum(t, offset, backend), checksum2(t, offset, backend)
 
 
 def checksums(tensors: list[torch.Tensor], backend: str = "auto") -> list[int]:
@@ -562,11 +596,12 @@ def layouts_from_index_map(index_map, shapes: dict[str, list[int]]) -> tuple[lis
 
 @dataclass
 class ApplyResult:
-    """Per delta entry: running-checksum change (int64 bits, mod 2**64) and changes written.
+    """Per delta entry: running-checksum change (int64 bits, mod 2**64), changes written and, when the
+    apply computed them, the two checksum2 lane changes (int64 sums; the lanes are these mod P).
 
-    Both rows live in one ``[2, E]`` host tensor. On a GPU it is the plan's pinned buffer, filled by
-    a copy queued behind the kernel: reading it waits for ``stream`` once. The buffer is reused by
-    the plan's next apply: read a result before applying again.
+    The rows live in one ``[2, E]`` (or ``[4, E]``) host tensor. On a GPU it is the plan's pinned
+    buffer, filled by a copy queued behind the kernel: reading it waits for ``stream`` once. The
+    buffer is reused by the plan's next apply: read a result before applying again.
     """
 
     both_2E: torch.Tensor
@@ -580,20 +615,24 @@ class ApplyResult:
     def written_E(self) -> torch.Tensor:
         return self.to_tensor()[1]
 
+    @property
+    def has_checksum2(self) -> bool:
+        return self.both_2E.shape[0] == 4
+
     def to_host(self) -> tuple[list[int], list[int]]:
         """(checksum changes mod 2**64, changes written) per entry, with one host sync."""
         host = self.to_numpy()
         return host[0].view(np.uint64).tolist(), host[1].tolist()
 
     def to_tensor(self) -> torch.Tensor:
-        """The ``[2, E]`` int64 sums on the host (waits for the copy once)."""
+        """The ``[2, E]`` (``[4, E]`` with checksum2) int64 sums on the host (waits for the copy once)."""
         if self.stream is not None:
             self.stream.synchronize()
             self.stream = None
         return self.both_2E
 
     def to_numpy(self) -> np.ndarray:
-        """The ``[2, E]`` int64 sums as a host array; view row 0 as uint64 for mod 2**64."""
+        """The int64 sums as a host array; view row 0 as uint64 for mod 2**64."""
         return self.to_tensor().numpy()
 
     def checksums(self) -> list[int]:
@@ -601,6 +640,13 @@ class ApplyResult:
 
     def written(self) -> list[int]:
         return self.to_host()[1]
+
+    def checksums2(self) -> list[int]:
+        """Packed checksum2 change per entry (the apply must have been asked for them: ``mix=True``)."""
+        if not self.has_checksum2:
+            raise KernelError("this apply did not compute checksum2 changes; call plan.apply(..., mix=True)")
+        host = self.to_numpy()
+        return [checksum2_pack(int(a), int(b)) for a, b in zip(host[2].tolist(), host[3].tolist(), strict=True)]
 
 
 class ApplyPlan:
@@ -642,25 +688,28 @@ class ApplyPlan:
         self.tables = (torch.cat(tables).to(self.device) if tables
                        else torch.zeros(1, dtype=torch.int64, device=self.device))
         self.addresses = torch.tensor([t.data_ptr() for t in self.targets], dtype=torch.int64, device=self.device)
-        # The kernel adds per-entry sums into _sums (checksum changes, then counts, each row padded to an
-        # even length so both rows stay 16-byte aligned, as the compiled kernel expects); they are zeroed
-        # again right after each apply's copy into _host (pinned on a GPU), so nothing runs before the
-        # kernel in the pause.
+        # The kernel adds per-entry sums into _sums (checksum changes, counts, then the two checksum2
+        # lanes, each row padded to an even length so every row stays 16-byte aligned, as the compiled
+        # kernel expects); they are zeroed again right after each apply's copy into _host (pinned on a
+        # GPU), so nothing runs before the kernel in the pause.
         rows = len(layouts) + len(layouts) % 2
-        self._sums = torch.zeros(2 * rows, dtype=torch.int64, device=self.device)
-        self._host = torch.zeros(2 * rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._sums = torch.zeros(4 * rows, dtype=torch.int64, device=self.device)
+        self._host = torch.zeros(4 * rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         if self.triton:
             for width in self.widths:  # compile now, outside any pause
                 for add in (True, False):
-                    empty = torch.zeros(0, dtype=torch.int64, device=self.device)
-                    _triton().apply_deltas_launch(empty, torch.zeros(0, dtype=torch.int32, device=self.device),
-                                                  torch.zeros(1, dtype=torch.int64, device=self.device), empty,
-                                                  self.layout_T, self.tables, self.addresses, self._sums[:0],
-                                                  self._sums[:0], width, add)
+                    for mix in (True, False):
+                        empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+                        none = self._sums[:0]
+                        _triton().apply_deltas_launch(empty, torch.zeros(0, dtype=torch.int32, device=self.device),
+                                                      torch.zeros(1, dtype=torch.int64, device=self.device), empty,
+                                                      self.layout_T, self.tables, self.addresses, none, none, width,
+                                                      add, none if mix else None, none if mix else None)
 
     def apply(self, entry_tensor_E: torch.Tensor, entry_offsets_E1: torch.Tensor, idx_C: torch.Tensor,
-              val_C: torch.Tensor, add: bool = True) -> ApplyResult:
-        """Patch one delta in place (see ``apply_deltas_ref``); returns per-entry checksum change and count."""
+              val_C: torch.Tensor, add: bool = True, mix: bool = False) -> ApplyResult:
+        """Patch one delta in place (see ``apply_deltas_ref``); returns per-entry checksum change and count,
+        and with ``mix`` the checksum2 lane changes too (:meth:`ApplyResult.checksums2`)."""
         if entry_offsets_E1.numel() != entry_tensor_E.numel() + 1:
             raise KernelError(f"entry_offsets needs {entry_tensor_E.numel() + 1} values (entries + 1), "
                               f"got {entry_offsets_E1.numel()}")
@@ -670,37 +719,43 @@ class ApplyPlan:
             if self.numba:
                 from rltune.sync.kernels.cpu_kernels import apply_deltas_cpu
 
-                sums, written = apply_deltas_cpu(self.targets, self.layouts, entry_tensor_E, entry_offsets_E1, idx_C,
-                                                 val_C, add)
+                out = apply_deltas_cpu(self.targets, self.layouts, entry_tensor_E, entry_offsets_E1, idx_C, val_C, add,
+                                       mix=mix)
             else:
-                sums, written = apply_deltas_ref(self.targets, self.layouts, entry_tensor_E, entry_offsets_E1, idx_C,
-                                                 val_C, add)
-            signed = [s - (1 << 64) if s >= 1 << 63 else s for s in sums]
-            return ApplyResult(torch.tensor([signed, written], dtype=torch.int64).reshape(2, -1))
+                out = apply_deltas_ref(self.targets, self.layouts, entry_tensor_E, entry_offsets_E1, idx_C, val_C, add,
+                                       mix=mix)
+            sums, written = out[0], out[1]
+            rows_ = [[s - (1 << 64) if s >= 1 << 63 else s for s in sums], written]
+            if mix:
+                rows_ += [[m >> 32 for m in out[2]], [m & 0xFFFFFFFF for m in out[2]]]
+            return ApplyResult(torch.tensor(rows_, dtype=torch.int64).reshape(len(rows_), -1))
         dev = self.device
         entry_tensor_E = entry_tensor_E.to(dev, torch.int64)
         entry_offsets_E1 = entry_offsets_E1.to(dev, torch.int64)
         idx_C, val_C = idx_C.to(dev), val_C.to(dev)
         n_entries = entry_tensor_E.numel()
         rows = n_entries + n_entries % 2
-        if 2 * rows > self._sums.numel():  # more entries than checkpoint tensors (split entries)
-            self._sums = torch.zeros(2 * rows, dtype=torch.int64, device=dev)
-            self._host = torch.zeros(2 * rows, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        sums, host = self._sums[:2 * rows], self._host[:2 * rows]
+        if 4 * rows > self._sums.numel():  # more entries than checkpoint tensors (split entries)
+            self._sums = torch.zeros(4 * rows, dtype=torch.int64, device=dev)
+            self._host = torch.zeros(4 * rows, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        n_rows = 4 if mix else 2
+        sums, host = self._sums[:n_rows * rows], self._host[:n_rows * rows]
         if n_entries:
+            lanes = (sums[2 * rows:3 * rows], sums[3 * rows:]) if mix else (None, None)
             for width in self.widths:  # one launch per element width the plan holds (usually one)
                 _triton().apply_deltas_launch(idx_C, val_C, entry_offsets_E1, entry_tensor_E, self.layout_T,
-                                              self.tables, self.addresses, sums[:rows], sums[rows:], width, add)
+                                              self.tables, self.addresses, sums[:rows], sums[rows:2 * rows], width,
+                                              add, *lanes)
             host.copy_(sums, non_blocking=True)
             sums.zero_()  # queued after the copy: ready for the next apply, off its critical path
-        host_2E = host.view(2, rows)[:, :n_entries]
+        host_2E = host.view(n_rows, rows)[:, :n_entries]
         return ApplyResult(host_2E, torch.cuda.current_stream(dev) if dev.type == "cuda" else None)
 
 
 def apply_deltas(plan: ApplyPlan, entry_tensor_E: torch.Tensor, entry_offsets_E1: torch.Tensor,
-                 idx_C: torch.Tensor, val_C: torch.Tensor, add: bool = True) -> ApplyResult:
+                 idx_C: torch.Tensor, val_C: torch.Tensor, add: bool = True, mix: bool = False) -> ApplyResult:
     """Fused multi-tensor apply through a prebuilt plan (the function form of :meth:`ApplyPlan.apply`)."""
-    return plan.apply(entry_tensor_E, entry_offsets_E1, idx_C, val_C, add)
+    return plan.apply(entry_tensor_E, entry_offsets_E1, idx_C, val_C, add, mix)
 
 
 def apply_mapped_delta(target_bits_N: torch.Tensor, pos_C: torch.Tensor, diff_C: torch.Tensor,
@@ -732,6 +787,8 @@ __all__ = [
     "apply_mapped_delta",
     "bits_dtype",
     "checksum",
+    "checksum2",
+    "checksum_pair",
     "checksums",
     "diff_extract",
     "layouts_from_index_map",

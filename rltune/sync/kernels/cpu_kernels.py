@@ -5,7 +5,7 @@ temporaries per entry (row, column, positions, gathers, wrapped sums); on a two-
 is ~1 µs per change. This kernel walks each change once: map the checkpoint index to the target
 position (strided window or row/column offset tables, as in the Triton kernel), add the wrapped
 difference (or write the new bits), and accumulate the running-checksum change modulo 2^64 in
-uint64. It must equal the torch reference bit for bit (tests/sync/test_kernels.py).
+uint64 and, when asked, the two checksum2 lanes modulo 2^31 - 1. It must equal the torch reference bit for bit (tests/sync/test_kernels.py).
 
 Shapes: ``idx_C`` int64 checkpoint indices, ``val_C`` int32 (wrapped differences or new bits),
 ``target_N`` a flat int16 / int32 / uint8 view of the parameter's bits.
@@ -20,14 +20,39 @@ import numba
 import numpy as np
 import torch
 
+_P31 = (1 << 31) - 1
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _mix32(x):
+    # checksum2's finaliser on uint64 values in [0, 2**32) (kernels.reference.mix32_ref)
+    m32 = np.uint64(0xFFFFFFFF)
+    x = x ^ (x >> np.uint64(16))
+    x = (x * np.uint64(0x7FEB352D)) & m32
+    x = x ^ (x >> np.uint64(15))
+    x = (x * np.uint64(0x846CA68B)) & m32
+    return x ^ (x >> np.uint64(16))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _mod_p(u):
+    p = np.uint64(_P31)
+    v = (u & p) + (u >> np.uint64(31))
+    return v - p if v >= p else v
+
 
 @numba.njit(cache=True, nogil=True)
 def _apply_entry(target_N, idx_C, val_C, width, ncols, base, row_stride, col_stride, r0, r1, c0, c1,
-                 row_table, col_table, use_tables, add, signed):
+                 row_table, col_table, use_tables, add, signed, mix):
     mask = (np.int64(1) << width) - 1
     half = np.int64(1) << (width - 1)
     full = mask + 1
     checksum = np.uint64(0)
+    lane_a = np.uint64(0)
+    lane_b = np.uint64(0)
+    p = np.uint64(_P31)
+    m32 = np.uint64(0xFFFFFFFF)
+    m30 = np.uint64((1 << 30) - 1)
     written = 0
     # a whole-row window laid out row-major (a full tensor, a row slice, one half of a fused
     # parameter): the position is base + i, no division
@@ -60,7 +85,15 @@ def _apply_entry(target_N, idx_C, val_C, width, ncols, base, row_stride, col_str
         target_N[pos] = new - full if (signed and new >= half) else new
         checksum += np.uint64(i + 1) * np.uint64(new - old)
         written += 1
-    return checksum, written
+        if mix:
+            ui = np.uint64(i)
+            h = _mix32((ui & m32) ^ (((ui >> np.uint64(32)) * np.uint64(0x9E3779B9)) & m32))
+            wa = (h & m30) + np.uint64(1)
+            wb = (_mix32(h ^ np.uint64(0x5BD1E995)) & m30) + np.uint64(1)
+            d = _mod_p(np.uint64(new)) + p - _mod_p(np.uint64(old))  # in [1, 2P): w * d < 2**62
+            lane_a = (lane_a + wa * d) % p
+            lane_b = (lane_b + wb * d) % p
+    return checksum, written, lane_a, lane_b
 
 
 _EMPTY_TABLE = np.zeros(1, dtype=np.int64)
@@ -72,6 +105,23 @@ def _checksum_bits(bits_N, offset, mask):
     for i in range(bits_N.shape[0]):
         total += np.uint64(offset + i + 1) * np.uint64(np.int64(bits_N[i]) & mask)
     return total
+
+
+@numba.njit(cache=True, nogil=True)
+def _checksum2_lanes(bits_N, offset, mask):
+    # checksum2's two lanes (kernels.reference.checksum2_ref), each reduced mod 2^31 - 1 as it goes
+    p = np.uint64(_P31)
+    m32, m30 = np.uint64(0xFFFFFFFF), np.uint64((1 << 30) - 1)
+    a, b = np.uint64(0), np.uint64(0)
+    for k in range(bits_N.shape[0]):
+        i = np.uint64(offset + k)
+        h = _mix32((i & m32) ^ (((i >> np.uint64(32)) * np.uint64(0x9E3779B9)) & m32))
+        wa = (h & m30) + np.uint64(1)
+        wb = (_mix32(h ^ np.uint64(0x5BD1E995)) & m30) + np.uint64(1)
+        u = _mod_p(np.uint64(np.int64(bits_N[k]) & mask))
+        a = (a + wa * u) % p  # wa * u < 2**61: no wrap
+        b = (b + wb * u) % p
+    return a, b
 
 
 _MASKS = {np.dtype("int16"): 0xFFFF, np.dtype("int32"): 0xFFFFFFFF, np.dtype("uint8"): 0xFF}
@@ -92,13 +142,17 @@ def checksum_cpu(bits_N: torch.Tensor, offset: int = 0) -> int:
     return int(_checksum_bits(view, int(offset), mask))
 
 
-def checksum_bits(bits_N: torch.Tensor, offset: int = 0) -> int:
-    """The checksum of a bits tensor wherever it lives: compiled on a CPU, the torch reference elsewhere."""
-    from rltune.sync.kernels.reference import checksum_ref
+def checksum2_cpu(bits_N: torch.Tensor, offset: int = 0) -> int:
+    """:func:`~rltune.sync.kernels.reference.checksum2_ref` in one compiled pass over a CPU bits tensor
+    (the reference's int64 temporaries cost as much as the position-weighted sum's)."""
+    from rltune.sync.kernels.reference import checksum2_pack
 
-    if bits_N.device.type == "cpu" and bits_N.dtype in (torch.int16, torch.int32, torch.uint8):
-        return checksum_cpu(bits_N, offset)
-    return checksum_ref(bits_N, offset)
+    view = bits_N.reshape(-1).numpy()
+    mask = _MASKS.get(view.dtype)
+    if mask is None:
+        raise TypeError(f"checksum2_cpu takes int16, int32 or uint8 bits, not {view.dtype}")
+    a, b = _checksum2_lanes(view, int(offset), mask)
+    return checksum2_pack(int(a), int(b))
 
 
 _POOL: ThreadPoolExecutor | None = None
@@ -114,9 +168,10 @@ def _pool() -> ThreadPoolExecutor:
 
 def apply_deltas_cpu(targets: list[torch.Tensor], layouts: list[dict], entry_tensor_E: torch.Tensor,
                      entry_offsets_E1: torch.Tensor, idx_C: torch.Tensor, val_C: torch.Tensor,
-                     add: bool, threads: int | None = None) -> tuple[list[int], list[int]]:
+                     add: bool, threads: int | None = None, mix: bool = False) -> tuple[list[int], ...]:
     """:func:`~rltune.sync.kernels.reference.apply_deltas_ref`'s contract, compiled: per entry the
-    running-checksum change (mod 2^64) and the number of changes written.
+    running-checksum change (mod 2^64), the number of changes written and, with ``mix``, the packed
+    checksum2 change.
 
     A sparse patch waits on memory, one cache line per change (measured here: ~20 ns a change at 1 %
     density against ~2 ns dense), so with ``threads`` > 1 (default: two when the machine has two
@@ -129,7 +184,7 @@ def apply_deltas_cpu(targets: list[torch.Tensor], layouts: list[dict], entry_ten
     views = [t.reshape(-1).numpy() for t in targets]
     widths = [{np.dtype("int16"): 16, np.dtype("int32"): 32, np.dtype("uint8"): 8}[v.dtype] for v in views]
     entries = entry_tensor_E.tolist()
-    checksums, written = [0] * len(entries), [0] * len(entries)
+    checksums, written, mixes = [0] * len(entries), [0] * len(entries), [0] * len(entries)
 
     def run(chosen: list[int]) -> None:
         for e in chosen:
@@ -138,17 +193,18 @@ def apply_deltas_cpu(targets: list[torch.Tensor], layouts: list[dict], entry_ten
             tables = lay.get("row_table") is not None
             rt = lay["row_table"].numpy() if tables else _EMPTY_TABLE
             ct = lay["col_table"].numpy() if tables else _EMPTY_TABLE
-            s, n = _apply_entry(views[target], idx[offsets[e]:offsets[e + 1]], val[offsets[e]:offsets[e + 1]],
-                                widths[target], lay["ncols"], lay["base"], lay["row_stride"], lay["col_stride"],
-                                lay["row_window"][0], lay["row_window"][1], lay["col_window"][0],
-                                lay["col_window"][1], rt, ct, tables, add, views[target].dtype != np.uint8)
-            checksums[e], written[e] = int(s), int(n)
+            s, n, a, b = _apply_entry(views[target], idx[offsets[e]:offsets[e + 1]], val[offsets[e]:offsets[e + 1]],
+                                      widths[target], lay["ncols"], lay["base"], lay["row_stride"], lay["col_stride"],
+                                      lay["row_window"][0], lay["row_window"][1], lay["col_window"][0],
+                                      lay["col_window"][1], rt, ct, tables, add, views[target].dtype != np.uint8, mix)
+            checksums[e], written[e], mixes[e] = int(s), int(n), (int(a) << 32) | int(b)
 
     if threads is None:
         threads = int(os.environ.get("RLTUNE_APPLY_THREADS", "0")) or min(2, os.cpu_count() or 1)
+    out = (checksums, written, mixes) if mix else (checksums, written)
     if threads < 2 or offsets[-1] < _PARALLEL_MIN_CHANGES or len(entries) < 2:
         run(list(range(len(entries))))
-        return checksums, written
+        return out
     # two halves of about equal changes, the larger entries dealt first
     order = sorted(range(len(entries)), key=lambda e: offsets[e] - offsets[e + 1])
     halves: list[list[int]] = [[], []]
@@ -160,4 +216,4 @@ def apply_deltas_cpu(targets: list[torch.Tensor], layouts: list[dict], entry_ten
     second = _pool().submit(run, halves[1])
     run(halves[0])
     second.result()
-    return checksums, written
+    return out

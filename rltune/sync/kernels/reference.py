@@ -15,6 +15,23 @@ unsigned wire bits ``u[i]``,
 It is position-weighted, so swapped or shifted elements change it, and it is linear, so a delta
 that moves element ``i`` from ``u_old`` to ``u_new`` changes it by ``(i + 1) * (u_new - u_old)``
 mod 2**64: a receiver keeps it up to date in O(changes).
+
+Linear also means that edits whose weighted changes cancel pass it: +2 at element ``i`` and -1 at
+element ``2i + 1``, or (+1, -3, +3, -1) on four neighbours against any polynomial weighting. The
+**second checksum** (``checksum2``) weighs each element by a hash of its position instead, in two
+lanes modulo the prime ``P = 2**31 - 1``:
+
+    h(i)   = mix32((i mod 2**32) xor ((i >> 32) * 0x9E3779B9 mod 2**32))
+    wa(i)  = (h(i) mod 2**30) + 1,   wb(i) = (mix32(h(i) xor 0x5BD1E995) mod 2**30) + 1
+    a      = sum_i wa(i) * (u[i] mod P)   mod P,      b = the same with wb
+    checksum2 = a * 2**32 + b
+
+``mix32`` is the 32-bit finaliser ``x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15; x *= 0x846CA68B;
+x ^= x >> 16`` (mod 2**32, a bijection). The weights share no structure with ``i + 1``, so an edit
+the first checksum cannot see moves the second one like any other edit (it passes both only by
+chance, ~2**-62). It is linear too, so it follows deltas in O(changes) the same way, and the shares
+of a partition add up lane by lane (mod P). Every intermediate fits in int64: ``w < 2**30``,
+``u mod P < 2**31``, and products are folded (``(x & P) + (x >> 31)``) before they are summed.
 """
 
 from __future__ import annotations
@@ -85,6 +102,94 @@ def checksum_ref(bits_N: torch.Tensor, offset: int = 0) -> int:
                            device=chunk.device)
         total += _wrap_sum(pos * chunk)
     return _to_u64(total)
+
+
+# ------------------------------------------------------------------------------ the second checksum
+
+P31 = (1 << 31) - 1  # the prime of both lanes of checksum2
+_M32 = 0xFFFFFFFF
+_M30 = (1 << 30) - 1
+MIX_C1, MIX_C2, MIX_HI, MIX_LANE_B = 0x7FEB352D, 0x846CA68B, 0x9E3779B9, 0x5BD1E995
+
+
+def mix32_ref(x: torch.Tensor) -> torch.Tensor:
+    """The 32-bit finaliser of checksum2's position hash, on int64 values in ``[0, 2**32)``."""
+    x = x ^ (x >> 16)
+    x = (x * MIX_C1) & _M32  # int64 products wrap mod 2**64; the low 32 bits are exact
+    x = x ^ (x >> 15)
+    x = (x * MIX_C2) & _M32
+    return x ^ (x >> 16)
+
+
+def checksum2_weights_ref(idx_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both lanes' weights ``(wa, wb)`` (int64, in ``[1, 2**30]``) of flat positions ``idx_C >= 0``."""
+    idx_C = idx_C.to(torch.int64)
+    h = mix32_ref((idx_C & _M32) ^ (((idx_C >> 32) * MIX_HI) & _M32))
+    return (h & _M30) + 1, (mix32_ref(h ^ MIX_LANE_B) & _M30) + 1
+
+
+def _mod_p(u: torch.Tensor) -> torch.Tensor:
+    # u in [0, 2**32) -> u mod P: (u & P) + (u >> 31) <= P + 1
+    v = (u & P31) + (u >> 31)
+    return torch.where(v >= P31, v - P31, v)
+
+
+def _fold(x: torch.Tensor) -> torch.Tensor:
+    # x in [0, 2**62) -> a value < 2**32 congruent to x mod P (2**31 = 1 mod P)
+    return (x & P31) + (x >> 31)
+
+
+def checksum2_pack(a: int, b: int) -> int:
+    """checksum2 as one u64: lane a in the high 32 bits, lane b in the low ones."""
+    return ((a % P31) << 32) | (b % P31)
+
+
+def checksum2_lanes(value: int) -> tuple[int, int]:
+    """The two lanes of a packed checksum2 (each in ``[0, P)``)."""
+    return (value >> 32) % P31, (value & _M32) % P31
+
+
+def checksum2_add(x: int, y: int) -> int:
+    """Sum of two packed checksum2 values (lane by lane, mod P): shares of a partition add up so."""
+    (xa, xb), (ya, yb) = checksum2_lanes(x), checksum2_lanes(y)
+    return checksum2_pack(xa + ya, xb + yb)
+
+
+def checksum2_scale(x: int, m: int) -> int:
+    """``m`` copies of a packed checksum2 (a tensor held whole by ``m`` workers)."""
+    a, b = checksum2_lanes(x)
+    return checksum2_pack(a * m, b * m)
+
+
+def checksum2_ref(bits_N: torch.Tensor, offset: int = 0) -> int:
+    """Packed ``checksum2`` of a flat bits tensor holding elements ``[offset, offset + N)``."""
+    bits_N = bits_N.reshape(-1)
+    a = b = 0
+    for start in range(0, bits_N.numel(), _CHUNK):
+        v = _mod_p(unsigned(bits_N[start:start + _CHUNK]))
+        pos = torch.arange(offset + start, offset + start + v.numel(), dtype=torch.int64, device=v.device)
+        wa, wb = checksum2_weights_ref(pos)
+        a += int(_fold(wa * v).sum())
+        b += int(_fold(wb * v).sum())
+    return checksum2_pack(a, b)
+
+
+def checksum2_contributions_ref(idx_C: torch.Tensor, old_bits_C: torch.Tensor,
+                                new_bits_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each change's two lane contributions (int64, each < 2**32 and congruent mod P to
+    ``w(idx) * (u_new - u_old)``): summed over any set of changes (exact in int64 up to 2**31 of
+    them), then reduced mod P, they are that set's checksum2 change."""
+    d = _mod_p(unsigned(new_bits_C)) - _mod_p(unsigned(old_bits_C)) + P31  # in [1, 2P): w * d < 2**62
+    wa, wb = checksum2_weights_ref(idx_C.to(d.device))
+    return _fold(wa * d), _fold(wb * d)
+
+
+def checksum2_update_ref(idx_C: torch.Tensor, old_bits_C: torch.Tensor, new_bits_C: torch.Tensor) -> int:
+    """Packed change of checksum2 when elements ``idx_C`` go from ``old_bits_C`` to ``new_bits_C``."""
+    if idx_C.numel() == 0:
+        return 0
+    lane_a, lane_b = checksum2_contributions_ref(idx_C, old_bits_C, new_bits_C)
+    return checksum2_pack(int(lane_a.sum()), int(lane_b.sum()))
 
 
 def checksum_update_ref(idx_C: torch.Tensor, old_bits_C: torch.Tensor, new_bits_C: torch.Tensor) -> int:
@@ -166,7 +271,7 @@ def map_positions_ref(idx_C: torch.Tensor, ncols: int, base: int, row_stride: in
 
 def apply_deltas_ref(targets: list[torch.Tensor], layouts: list[dict], entry_tensor_E: torch.Tensor,
                      entry_offsets_E1: torch.Tensor, idx_C: torch.Tensor, val_C: torch.Tensor,
-                     add: bool) -> tuple[list[int], list[int]]:
+                     add: bool, mix: bool = False) -> tuple[list[int], ...]:
     """Oracle of the fused apply kernel: patch a whole multi-tensor delta in place.
 
     ``targets``: flat bits views of the worker's parameters. ``layouts[t]``: how checkpoint tensor
@@ -177,9 +282,9 @@ def apply_deltas_ref(targets: list[torch.Tensor], layouts: list[dict], entry_ten
     ``add`` the wrapped difference to add). Changes this worker does not hold are skipped.
 
     Returns per entry the running-checksum change (position weights ``idx + 1`` of the checkpoint
-    tensor) and the number of changes written.
+    tensor) and the number of changes written; with ``mix`` also the packed checksum2 change.
     """
-    checksums, written = [], []
+    checksums, written, mixes = [], [], []
     offsets = entry_offsets_E1.tolist()
     for e, t in enumerate(entry_tensor_E.tolist()):
         lay = layouts[t]
@@ -196,7 +301,9 @@ def apply_deltas_ref(targets: list[torch.Tensor], layouts: list[dict], entry_ten
         target[pos] = new
         checksums.append(checksum_update_ref(idx.to(target.device), old, new))
         written.append(int(pos.numel()))
-    return checksums, written
+        if mix:
+            mixes.append(checksum2_update_ref(idx.to(target.device), old, new))
+    return (checksums, written, mixes) if mix else (checksums, written)
 
 
 def fma32_ref(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -283,6 +390,16 @@ def _signed_bits(val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 __all__ = [
     "MASK64",
+    "P31",
+    "checksum2_add",
+    "checksum2_contributions_ref",
+    "checksum2_lanes",
+    "checksum2_pack",
+    "checksum2_ref",
+    "checksum2_scale",
+    "checksum2_update_ref",
+    "checksum2_weights_ref",
+    "mix32_ref",
     "adamw_beta_powers",
     "adamw_bias_corrections",
     "adamw_step_ref",

@@ -145,6 +145,80 @@ def checksum_partials(bits_N: torch.Tensor, offset: int, mask: int) -> torch.Ten
     return partial_P
 
 
+# ----------------------------------------------------------------------------------- checksum2
+#
+# The second checksum (reference: kernels.reference.checksum2_ref): each element weighed by a hash of
+# its position, two lanes modulo P = 2**31 - 1. int64 arithmetic throughout; every product is below
+# 2**62 and folded to below 2**32 ((x & P) + (x >> 31), 2**31 = 1 mod P) before it is summed.
+
+P31 = tl.constexpr((1 << 31) - 1)
+
+
+@triton.jit
+def _mix32(x):
+    # int64 values in [0, 2**32); products wrap mod 2**64 and the low 32 bits are exact
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _weights2(idx):
+    # (wa, wb) in [1, 2**30] of flat positions idx >= 0 (int64)
+    h = _mix32((idx & 0xFFFFFFFF) ^ (((idx >> 32) * 0x9E3779B9) & 0xFFFFFFFF))
+    return (h & 0x3FFFFFFF) + 1, (_mix32(h ^ 0x5BD1E995) & 0x3FFFFFFF) + 1
+
+
+@triton.jit
+def _mod_p(u):
+    v = (u & P31) + (u >> 31)
+    return tl.where(v >= P31, v - P31, v)
+
+
+@triton.jit
+def _fold(x):
+    return (x & P31) + (x >> 31)
+
+
+@triton.jit(do_not_specialize=["n", "offset", "programs"])
+def _checksum2_kernel(bits_ptr, partial_2P_ptr, n: tl.int64, offset: tl.int64, programs: tl.int64,
+                      MASK: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr):
+    pid = tl.program_id(0)
+    base = pid.to(tl.int64) * (BLOCK * TILES)
+    lane = tl.arange(0, BLOCK)
+    left = n - base
+    acc_a = tl.zeros([BLOCK], dtype=tl.int64)
+    acc_b = tl.zeros([BLOCK], dtype=tl.int64)
+    for t in range(TILES):
+        offs = t * BLOCK + lane
+        u = tl.load(bits_ptr + base + offs, mask=offs < left, other=0).to(tl.int64) & MASK
+        v = _mod_p(u)  # 0 past the end: adds nothing
+        wa, wb = _weights2(offset + base + offs)
+        acc_a += _fold(wa * v)
+        acc_b += _fold(wb * v)
+    # per lane < TILES * 2**32, per program < 2**46: folded to < 2**32 so the host sums any number
+    tl.store(partial_2P_ptr + pid, _fold(tl.sum(acc_a, axis=0)))
+    tl.store(partial_2P_ptr + programs + pid, _fold(tl.sum(acc_b, axis=0)))
+
+
+CHECKSUM2_BLOCK = 512
+CHECKSUM2_TILES = 16
+CHECKSUM2_WARPS = 4
+_CHECKSUM2 = Launch(_checksum2_kernel)
+
+
+def checksum2_partials(bits_N: torch.Tensor, offset: int, mask: int) -> torch.Tensor:
+    """Per-program lane sums (int64 ``[2, programs]``, each < 2**32); their sums mod P are the lanes."""
+    n = bits_N.numel()
+    programs = max(1, triton.cdiv(n, CHECKSUM2_BLOCK * CHECKSUM2_TILES))
+    partial_2P = torch.empty(2 * programs, dtype=torch.int64, device=bits_N.device)
+    _CHECKSUM2((programs,), bits_N, partial_2P, n, offset, programs, mask, CHECKSUM2_BLOCK, CHECKSUM2_TILES,
+               num_warps=CHECKSUM2_WARPS)
+    return partial_2P.view(2, programs)
+
+
 # ------------------------------------------------------------------------------------- diff/extract
 #
 # Two passes per chunk. Pass 1 reads every element of old and new once and stores, per block of
@@ -523,8 +597,9 @@ def adamw_diff_launch(tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
 
 
 @triton.jit
-def _patch(address, pos, held, val, idx, WIDTH: tl.constexpr, ADD: tl.constexpr):
-    # write one block of changes in place; return each change's running-checksum contribution
+def _patch(address, pos, held, val, idx, WIDTH: tl.constexpr, ADD: tl.constexpr, MIX: tl.constexpr):
+    # write one block of changes in place; return each change's running-checksum contribution and,
+    # with MIX, its two checksum2 lane contributions (each folded below 2**32; zeros without MIX)
     if WIDTH == 8:
         ptr = address.to(tl.pointer_type(tl.uint8)) + pos
     elif WIDTH == 16:
@@ -539,7 +614,16 @@ def _patch(address, pos, held, val, idx, WIDTH: tl.constexpr, ADD: tl.constexpr)
     else:
         u_new = val.to(tl.int64) & mask_bits
     tl.store(ptr, u_new.to(old.dtype), mask=held)
-    return tl.where(held, (idx + 1) * (u_new - u_old), 0)
+    c1 = tl.where(held, (idx + 1) * (u_new - u_old), 0)
+    if MIX:
+        d = _mod_p(u_new) - _mod_p(u_old) + P31  # in [1, 2P): w * d < 2**62
+        wa, wb = _weights2(idx)
+        la = tl.where(held, _fold(wa * d), 0)
+        lb = tl.where(held, _fold(wb * d), 0)
+    else:
+        la = c1 * 0
+        lb = c1 * 0
+    return c1, la, lb
 
 
 @triton.jit
@@ -558,8 +642,10 @@ def _find_entry(entry_offsets_ptr, j, n_entries, search_steps):
 @triton.jit(do_not_specialize=["n_changes", "n_entries", "search_steps"])
 def _apply_deltas_kernel(idx_C_ptr, val_C_ptr, n_changes: tl.int64, entry_offsets_ptr, entry_tensor_ptr,
                          n_entries: tl.int64, search_steps: tl.int32, layout_ptr, table_ptr, address_ptr,
-                         checksum_E_ptr, written_E_ptr, WIDTH: tl.constexpr, ADD: tl.constexpr,
-                         COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
+                         checksum_E_ptr, written_E_ptr, mix_a_E_ptr, mix_b_E_ptr, WIDTH: tl.constexpr,
+                         ADD: tl.constexpr, MIX: tl.constexpr, COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
+    # MIX: also the checksum2 lanes per entry (each block's sum reduced mod P before its atomic, so an
+    # entry's int64 sum stays exact for any number of blocks)
     pid = tl.program_id(0)
     j0 = pid.to(tl.int64) * BLOCK
     j = j0 + tl.arange(0, BLOCK)
@@ -586,9 +672,12 @@ def _apply_deltas_kernel(idx_C_ptr, val_C_ptr, n_changes: tl.int64, entry_offset
             one_base = tl.load(layout_ptr + row0 + 2)
             one_held = live & (idx >= tl.load(layout_ptr + row0 + 5) * ncols0) & (idx < tl.load(layout_ptr + row0 + 6) * ncols0)
             one_address = tl.load(address_ptr + tl.load(layout_ptr + row0 + 0))
-            one_contribution = _patch(one_address, one_base + idx, one_held, val, idx, WIDTH, ADD)
+            one_contribution, one_a, one_b = _patch(one_address, one_base + idx, one_held, val, idx, WIDTH, ADD, MIX)
             tl.atomic_add(checksum_E_ptr + first, tl.sum(one_contribution, axis=0))
             tl.atomic_add(written_E_ptr + first, tl.sum(one_held.to(tl.int64), axis=0))
+            if MIX:
+                tl.atomic_add(mix_a_E_ptr + first, tl.sum(one_a, axis=0) % P31)
+                tl.atomic_add(mix_b_E_ptr + first, tl.sum(one_b, axis=0) % P31)
         else:
             entry = _find_entry(entry_offsets_ptr, tl.where(live, j, 0), n_entries, search_steps)
             row = tl.load(entry_tensor_ptr + entry, mask=live, other=0) * COLUMNS
@@ -617,7 +706,7 @@ def _apply_deltas_kernel(idx_C_ptr, val_C_ptr, n_changes: tl.int64, entry_offset
             pos = tl.where(tabled, base + row_off + col_off, base + r * row_stride + c * col_stride)
             held = live & (width == WIDTH) & tl.where(tabled, held_tabled, held_strided)
             address = tl.load(address_ptr + target, mask=held, other=0)
-            contribution = _patch(address, pos, held, val, idx, WIDTH, ADD)
+            contribution, mix_a, mix_b = _patch(address, pos, held, val, idx, WIDTH, ADD, MIX)
             written = held.to(tl.int64)
             # per-entry reduction: one atomic for the block's first entry, one per change for any other entry
             in_first = live & (entry == first)
@@ -626,6 +715,11 @@ def _apply_deltas_kernel(idx_C_ptr, val_C_ptr, n_changes: tl.int64, entry_offset
             others = live & (entry != first)
             tl.atomic_add(checksum_E_ptr + entry, contribution, mask=others)
             tl.atomic_add(written_E_ptr + entry, written, mask=others)
+            if MIX:  # a change's lane value is < 2**32 and an entry is "other" in at most one block
+                tl.atomic_add(mix_a_E_ptr + first, tl.sum(tl.where(in_first, mix_a, 0), axis=0) % P31)
+                tl.atomic_add(mix_b_E_ptr + first, tl.sum(tl.where(in_first, mix_b, 0), axis=0) % P31)
+                tl.atomic_add(mix_a_E_ptr + entry, mix_a, mask=others)
+                tl.atomic_add(mix_b_E_ptr + entry, mix_b, mask=others)
 
 
 _APPLY_DELTAS = Launch(_apply_deltas_kernel)
@@ -634,13 +728,17 @@ _APPLY_DELTAS = Launch(_apply_deltas_kernel)
 def apply_deltas_launch(idx_C: torch.Tensor, val_C: torch.Tensor, entry_offsets_E1: torch.Tensor,
                         entry_tensor_E: torch.Tensor, layout: torch.Tensor, tables: torch.Tensor,
                         addresses: torch.Tensor, checksum_E: torch.Tensor, written_E: torch.Tensor, width: int,
-                        add: bool) -> None:
+                        add: bool, mix_a_E: torch.Tensor | None = None, mix_b_E: torch.Tensor | None = None) -> None:
+    """One fused apply; with ``mix_a_E``/``mix_b_E`` (int64, zeroed) it also adds each entry's checksum2
+    lane changes there (sums of values < 2**32; the lanes are those sums mod P)."""
     n_changes = idx_C.numel()
     n_entries = entry_tensor_E.numel()
     steps = max(1, int(n_entries).bit_length())
     programs = max(1, triton.cdiv(n_changes, APPLY_BLOCK))
+    mix = mix_a_E is not None
     _APPLY_DELTAS((programs,), idx_C, val_C, n_changes, entry_offsets_E1, entry_tensor_E, n_entries, steps, layout,
-                  tables, addresses, checksum_E, written_E, width, add, LAYOUT_COLUMNS, APPLY_BLOCK,
+                  tables, addresses, checksum_E, written_E, mix_a_E if mix else checksum_E,
+                  mix_b_E if mix else checksum_E, width, add, mix, LAYOUT_COLUMNS, APPLY_BLOCK,
                   num_warps=APPLY_WARPS)
 
 
@@ -674,6 +772,7 @@ def apply_positions_launch(target_bits_N: torch.Tensor, pos_C: torch.Tensor, dif
 
 KERNELS = {
     "checksum": _checksum_kernel,
+    "checksum2": _checksum2_kernel,
     "diff_mask": _diff_mask_kernel,
     "diff_expand": _diff_expand_kernel,
     "apply_deltas": _apply_deltas_kernel,

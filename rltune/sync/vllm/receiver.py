@@ -18,6 +18,8 @@ Example::
         rx.prepare(step)                   # while the engine serves: read + decode this step's parts
         outputs = llm.generate(prompts, sampling)
         summary = rx.update(step)          # pause -> apply + verify -> resume; raises on any failure
+    rx.update(step + 1, wait_s=5)          # the trainer is still writing it: wait for its marker
+    rx.check_weights()                     # O(weights): both checksums recomputed from the weights held
 
     rx = VllmReceiver.http("http://127.0.0.1:8000", root="/shared/broadcast")   # the same over HTTP
 """
@@ -134,6 +136,7 @@ class UpdateSummary:
     changes: int  # elements written, over all workers
     prefetched: bool  # every worker applied changes it had read and decoded while serving
     workers: list[dict[str, Any]] = field(default_factory=list)
+    fallbacks: list[dict[str, Any]] = field(default_factory=list)  # damaged anchors a reload went past (anchor, error)
 
     @property
     def dispatch_blocking_s(self) -> float:
@@ -172,9 +175,11 @@ class VllmReceiver:
             raise error_class(first["error"])(f"engine worker {i}: {first['message']}")
         return results
 
-    def attach(self) -> list[dict[str, Any]]:
-        """Record the index map on every worker, keep plain weights on CPU, load the latest step."""
-        results = self._call("rltune_attach", dict(root=self.root, timeout_s=self.timeout_s, verify=self.verify))
+    def attach(self, load: bool = True) -> list[dict[str, Any]]:
+        """Record the index map on every worker, keep plain weights on CPU, load the latest step (with
+        ``load=False`` nothing: the first :meth:`update` reloads the anchor below its step and replays)."""
+        results = self._call("rltune_attach", dict(root=self.root, timeout_s=self.timeout_s, verify=self.verify,
+                                                   load=load))
         self.step = results[0]["step"]
         return results
 
@@ -182,13 +187,16 @@ class VllmReceiver:
         """Start every worker reading and decoding ``step``'s changes; returns at once."""
         self._call("rltune_prepare", dict(step=int(step)))
 
-    def update(self, step: int) -> UpdateSummary:
-        """Pause dispatch, bring every worker to ``step`` and verify it, resume (also after a failure)."""
+    def update(self, step: int, wait_s: float = 0.0) -> UpdateSummary:
+        """Pause dispatch, bring every worker to ``step`` and verify it, resume (also after a failure).
+
+        ``wait_s`` (below ``timeout_s``): how long to wait for a step the trainer is still writing before
+        :class:`~rltune.sync.format.StepNotReadyError`; the engine keeps its weights either way."""
         t0 = time.perf_counter()
         self.rpc.pause()
         t1 = time.perf_counter()
         try:
-            results = self._call("rltune_update", dict(step=int(step)))
+            results = self._call("rltune_update", dict(step=int(step), wait_s=float(wait_s)))
         finally:
             t2 = time.perf_counter()
             self.rpc.resume()
@@ -196,7 +204,14 @@ class VllmReceiver:
         self.step = results[0]["step"]
         return UpdateSummary(step=results[0]["step"], action=results[0]["action"], pause_s=t1 - t0, apply_s=t2 - t1,
                              resume_s=t3 - t2, changes=sum(int(r["changes"]) for r in results),
-                             prefetched=all(r.get("prefetched") for r in results), workers=results)
+                             prefetched=all(r.get("prefetched") for r in results), workers=results,
+                             fallbacks=list(results[0].get("fallbacks") or []))
+
+    def check_weights(self) -> int:
+        """Recompute both checksums of every tensor from the weights every worker holds and check them
+        against the trainer's (O(weights)): catches a write to the weights outside the receiver. Returns
+        the step checked; on a mismatch raises and every worker reloads at its next update."""
+        return self._call("rltune_verify", {})[0]["step"]
 
     def weights(self, tensors: bool = False) -> list[dict[str, Any]]:
         """Per worker: parameter name -> {sha256, shape, dtype[, tensor]}."""

@@ -1,8 +1,8 @@
 """Inside each vLLM worker: the extension vLLM mixes into its worker class (``worker_extension_cls``).
 
-:class:`RltuneWorkerExtension` adds four methods that an orchestrator calls through vLLM's
+:class:`RltuneWorkerExtension` adds five methods that an orchestrator calls through vLLM's
 ``collective_rpc`` (every worker of the engine runs each): ``rltune_attach``, ``rltune_prepare``,
-``rltune_update`` and ``rltune_weights``. Each takes one JSON string and returns a JSON-able dict,
+``rltune_update``, ``rltune_verify`` and ``rltune_weights``. Each takes one JSON string and returns a JSON-able dict,
 so the same calls work in-process (``LLM.collective_rpc``) and over HTTP (``vllm serve`` with
 ``VLLM_SERVER_DEV_MODE=1``: ``POST /collective_rpc``). An rltune error comes back as
 ``{"ok": false, "error": <class name>, "message": ...}`` rather than as an exception, so that
@@ -41,6 +41,7 @@ worker holds (GPU: the fused Triton apply kernel; CPU: the same apply compiled f
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import threading
 import time
@@ -245,7 +246,8 @@ class WorkerSync:
         if self.tp_rank == 0:
             try:
                 out = dict(value=fn())
-            except RltuneError as exc:
+            except Exception as exc:  # any failure reaches every worker, typed; none waits for a broadcast
+                exc = _typed(exc, "attaching")
                 out = dict(error=type(exc).__name__, message=str(exc))
         if self.group is not None:
             import torch.distributed as dist
@@ -263,8 +265,8 @@ class WorkerSync:
         result = None
         try:
             result = fn()
-        except Exception as exc:  # re-raised below, once every worker has said whether it failed
-            err = exc
+        except Exception as exc:  # re-raised below, typed, once every worker has said whether it failed
+            err = _typed(exc, "attaching")
         failed = err is not None
         if self.group is not None:
             import torch.distributed as dist
@@ -303,35 +305,55 @@ class WorkerSync:
         step, thread, result = self._prefetch
         thread.join(self.timeout_s)
         if thread.is_alive():
-            raise fmt.UpdateFailedError(f"reading step {step}'s delta did not finish within {self.timeout_s:.0f} s; "
-                                        "check the broadcast root's storage")
+            # the thread keeps its own copy of nothing the update uses: the update reads the step itself
+            self._prefetch = None
+            return dict(prefetched=False, prefetch_step=step, prefetch_error="prefetch did not finish in time")
         self._prefetch = None
-        return dict(result, prefetch_step=step)
+        error = self.receiver.last_prefetch_error
+        return dict(result, prefetch_step=step, prefetch_error=None if error is None else f"{type(error).__name__}: {error}")
 
-    def update(self, step: int) -> dict[str, Any]:
+    def update(self, step: int, wait_s: float = 0.0) -> dict[str, Any]:
         prefetch = self._join_prefetch()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        report = self.receiver.apply(step)
+        report = self.receiver.apply(step, wait_s=wait_s)
         if self.verify == "full":
             self._verify_full(step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         out = _report(report, self.receiver)
         out.update(prefetched=bool(prefetch.get("prefetched")) and prefetch.get("prefetch_step") == step,
-                   prefetch_s=prefetch.get("prefetch_s"))
+                   prefetch_s=prefetch.get("prefetch_s"), prefetch_error=prefetch.get("prefetch_error"))
         return out
 
     def _verify_full(self, step: int) -> None:
-        """Recompute every share from the parameters (O(weights)) and check it, on top of the running check."""
+        """Recompute every share from the parameters (O(weights)) and check both checksums, on top of the
+        running check."""
         self.receiver.recompute_shares()
-        self.receiver._verify(step)
+        self.receiver.verify(step)
+
+    def check_weights(self) -> dict[str, Any]:
+        """Check the weights held now, recomputed from every parameter, against the trainer's checksums of
+        the step held; a mismatch (a write outside the receiver) marks the worker invalid: the next
+        update reloads and replays."""
+        rx = self.receiver
+        if not rx.valid:
+            raise fmt.ChainError(f"{rx.store.root}: this worker holds no verified step to check (it never loaded one "
+                                 "or its last update failed); update or attach first")
+        self._verify_full(rx.step)
+        return dict(step=rx.step, attempt=rx.attempt)
 
 def _report(report, receiver) -> dict[str, Any]:
     return dict(ok=True, action=report.action, step=report.step, anchor=report.anchor, deltas=list(report.deltas),
                 changes=report.changes_applied, seconds=report.seconds, phases=dict(report.phases),
-                anchor_loads=receiver.anchor_loads,
-                deltas_applied=receiver.deltas_applied)
+                anchor_loads=receiver.anchor_loads, deltas_applied=receiver.deltas_applied,
+                fallbacks=list(report.fallbacks), valid=receiver.valid, attempt=receiver.attempt)
+
+
+def _typed(exc: BaseException, what: str) -> RltuneError:
+    if isinstance(exc, RltuneError):
+        return exc
+    return fmt.InternalSyncError(f"{what}: {type(exc).__name__}: {exc}")
 
 
 def _error_class(name: str) -> type[RltuneError]:
@@ -343,13 +365,35 @@ def _error_class(name: str) -> type[RltuneError]:
 # --------------------------------------------------------------------------------------------- the extension
 
 
+def _step(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str) or not str(value).isdigit():
+        raise VllmSyncError(f"step must be a non-negative integer, got {str(value)[:40]!r}")
+    return int(value)
+
+
+def _wait_s(value: Any, timeout_s: float) -> float:
+    # the other workers wait for TP rank 0's plan in a collective bounded by timeout_s: a longer wait
+    # would fail them with GroupUnreachableError while rank 0 is still politely waiting
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < timeout_s:
+        raise VllmSyncError(f"wait_s must be a number in [0, timeout_s={timeout_s:g}), got {str(value)[:40]!r}")
+    return float(value)
+
+
 def _call(fn, request: str) -> dict[str, Any]:
-    args = json.loads(request) if request else {}
+    try:
+        args = json.loads(request) if request else {}
+    except (TypeError, ValueError):
+        args = None
     if not isinstance(args, dict):
-        return dict(ok=False, error="VllmSyncError", message=f"request must be a JSON object, got {request[:80]!r}")
+        return dict(ok=False, error="VllmSyncError", message=f"request must be a JSON object, got {str(request)[:80]!r}")
+    try:
+        inspect.signature(fn).bind(**args)
+    except TypeError as exc:  # a request whose fields the call does not take
+        return dict(ok=False, error="VllmSyncError", message=f"request {str(request)[:80]!r}: {exc}")
     try:
         return fn(**args)
-    except RltuneError as exc:
+    except Exception as exc:  # every failure comes back as a typed result, never as an engine crash
+        exc = _typed(exc, "the worker call")
         return dict(ok=False, error=type(exc).__name__, message=str(exc))
 
 
@@ -363,14 +407,21 @@ class RltuneWorkerExtension:
         return state
 
     def rltune_attach(self, request: str = "") -> dict[str, Any]:
-        """``{"root": DIR, "timeout_s": 120, "verify": "running" | "full"}``: build the state, load the latest step."""
-        def attach(root: str, timeout_s: float = 120.0, verify: str = "running") -> dict[str, Any]:
+        """``{"root": DIR, "timeout_s": 120, "verify": "running" | "full", "load": true}``: build the state, load
+        the latest step (``load`` false: load nothing; the first update reloads an anchor and replays)."""
+        def attach(root: str, timeout_s: float = 120.0, verify: str = "running", load: bool = True) -> dict[str, Any]:
             if verify not in ("running", "full"):
                 raise VllmSyncError(f"verify must be 'running' or 'full', got {verify!r}")
+            if not isinstance(load, bool):
+                raise VllmSyncError(f"load must be true or false, got {load!r}")
             start = time.perf_counter()
             state = WorkerSync(self, root, float(timeout_s), verify)
             self._rltune_state = state
-            out = state.load_latest()
+            if load:
+                out = state.load_latest()
+            else:
+                out = dict(ok=True, action="none", step=None, anchor=None, deltas=[], changes=0, seconds=0.0, phases={},
+                           anchor_loads=0, deltas_applied=0, fallbacks=[], valid=False, attempt=None)
             out.update(attach_s=time.perf_counter() - start, record_s=state.record_s, tp_rank=state.tp_rank,
                        tp_size=state.tp_size, plain_layers=state.plain_layers,
                        engine_only={k: v for k, v in state.index_map.engine_only.items()})
@@ -379,16 +430,22 @@ class RltuneWorkerExtension:
 
     def rltune_prepare(self, request: str = "") -> dict[str, Any]:
         """``{"step": S}``: start reading and decoding step S's changes; returns at once."""
-        return _call(lambda step: dict(ok=True, **self._rltune_sync().prepare(int(step))), request)
+        return _call(lambda step: dict(ok=True, **self._rltune_sync().prepare(_step(step))), request)
 
     def rltune_update(self, request: str = "") -> dict[str, Any]:
-        """``{"step": S}``: bring the weights to step S in place (or reload + replay) and verify them."""
-        def update(step: int) -> dict[str, Any]:
+        """``{"step": S, "wait_s": 0}``: bring the weights to step S in place (or reload + replay) and verify
+        them; ``wait_s``: how long to wait politely for a step the trainer is still writing."""
+        def update(step: int, wait_s: float = 0.0) -> dict[str, Any]:
             start = time.perf_counter()
-            out = self._rltune_sync().update(int(step))
+            state = self._rltune_sync()
+            out = state.update(_step(step), _wait_s(wait_s, state.timeout_s))
             out["worker_s"] = time.perf_counter() - start
             return out
         return _call(update, request)
+
+    def rltune_verify(self, request: str = "") -> dict[str, Any]:
+        """``{}``: recompute both checksums of every tensor from the parameters and check the step held."""
+        return _call(lambda: dict(ok=True, **self._rltune_sync().check_weights()), request)
 
     def rltune_weights(self, request: str = "") -> dict[str, Any]:
         """``{"tensors": false, "plain": false}``: every parameter's SHA-256, shape and dtype (and, with
