@@ -57,22 +57,29 @@ def check_engine_columns(recs: list[dict], trials: int, sync: bool) -> None:
             assert rec["engine_gen_tokens"] == rec["gen_tokens"]
 
 
-def test_sync_steps_with_a_full_reload_give_engines_exactly_the_trainers_weights(tmp_path):
-    metrics = workload.run(TINY_MATH, tmp_path, steps=3, overrides=FAST)
-    recs = records(metrics)
-    assert [r["weight_version"] for r in recs] == [1, 2, 3]
-    assert [(r["sample_age_mean"], r["sample_age_max"]) for r in recs] == [(0, 0)] * 3
-    assert all(r["gap"] < EXACT_GAP for r in recs), [r["gap"] for r in recs]
+@pytest.fixture(scope="module")
+def full_reload_run(tmp_path_factory) -> Path:
+    """Two synchronous steps with a full reload after each: the run directory (shared by two tests)."""
+    run_dir = tmp_path_factory.mktemp("full-reload")
+    workload.run(TINY_MATH, run_dir, steps=2, overrides=FAST)
+    return run_dir
+
+
+def test_sync_steps_with_a_full_reload_give_engines_exactly_the_trainers_weights(full_reload_run):
+    recs = records(full_reload_run / "metrics.jsonl")
+    assert [r["weight_version"] for r in recs] == [1, 2]
+    assert [(r["sample_age_mean"], r["sample_age_max"]) for r in recs] == [(0, 0)] * 2
+    assert all(r["gap"] < EXACT_GAP for r in recs), [r["gap"] for r in recs]  # step 2 ran on the reloaded weights
     assert all(r["old_logprob_s"] > 0 and r["sync_bytes"] > 0 for r in recs)
     check_engine_columns(recs, trials=6, sync=True)
-    boot = tmp_path / "engine-boot"
+    boot = full_reload_run / "engine-boot"
     assert json.loads((boot / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
-    assert not any((tmp_path / "engine-reload").rglob("*.safetensors"))  # each reload's directory is removed
-    assert load_workload_config(tmp_path / "config.yaml").engine.backend == "vllm"
+    assert not any((full_reload_run / "engine-reload").rglob("*.safetensors"))  # each reload's directory is removed
+    assert load_workload_config(full_reload_run / "config.yaml").engine.backend == "vllm"
 
 
-def test_sparse_deltas_give_engines_exactly_the_trainers_weights_and_ship_fewer_bytes(tmp_path):
-    full = records(workload.run(TINY_MATH, tmp_path / "full", steps=2, overrides=FAST))
+def test_sparse_deltas_give_engines_exactly_the_trainers_weights_and_ship_fewer_bytes(tmp_path, full_reload_run):
+    full = records(full_reload_run / "metrics.jsonl")
     sparse = records(workload.run(TINY_MATH, tmp_path / "sparse", steps=2,
                                   overrides=[*FAST, "sync.transport=sparse_delta"]))
     assert all(r["gap"] < EXACT_GAP for r in sparse), [r["gap"] for r in sparse]
@@ -122,16 +129,20 @@ def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("where", ["override", "file"])
-def test_a_misspelt_vllm_argument_is_one_line_naming_the_key_before_any_engine_starts(tmp_path, where):
+def test_a_misspelt_vllm_argument_is_one_line_naming_the_key_before_any_engine_starts(tmp_path, capsys, where):
     config = TINY_MATH
-    extra = ["engine.vllm.max_num_seqz=64"]
-    if where == "file":
+    args = ["workload", "run", str(config), "--steps", "1", "--run-dir", str(tmp_path / "run")]
+    if where == "file":  # the real console command, in its own process
         config = tmp_path / "job.yaml"
         config.write_text(TINY_MATH.read_text().replace("max_num_seqs: 256", "max_num_seqz: 256"))
-        extra = []
-    out = _cli("workload", "run", str(config), "--steps", "1", "--run-dir", str(tmp_path / "run"), *extra)
-    assert out.returncode == 2, out.stderr[-2000:]
-    line = [ln for ln in out.stderr.splitlines() if ln.startswith("rltune:")]
+        out = _cli("workload", "run", str(config), "--steps", "1", "--run-dir", str(tmp_path / "run"))
+        code, stderr = out.returncode, out.stderr
+    else:  # the same CLI in this process (its exit code is main()'s return value)
+        from rltune.cli.main import main
+
+        code, stderr = main([*args, "engine.vllm.max_num_seqz=64"]), capsys.readouterr().err
+    assert code == 2, stderr[-2000:]
+    line = [ln for ln in stderr.splitlines() if ln.startswith("rltune:")]
     assert line == [f"rltune: {config}: engine.vllm.max_num_seqz: not a vLLM engine argument: EngineArgs.__init__() "
                     "got an unexpected keyword argument 'max_num_seqz' (did you mean 'max_num_seqs'?)"]
     assert not (tmp_path / "run" / "engine-boot").exists()  # refused before the trainer or any engine started
@@ -185,15 +196,15 @@ def test_workload_check_prints_only_its_json_on_stdout(capfd):
     assert json.loads(line)["vllm"]["max_num_seqs"] == 256
 
 
-def test_a_value_vllm_refuses_keeps_vllms_message_and_names_the_key(tmp_path):
-    out = _cli("workload", "check", str(TINY_MATH), "engine.vllm.kv_cache_dtype=fp9")
-    assert out.returncode == 2
-    (line,) = [ln for ln in out.stderr.splitlines() if ln.startswith("rltune:")]
+def test_a_value_vllm_refuses_keeps_vllms_message_and_names_the_key(capsys):
+    from rltune.cli.main import main  # in this process: the CLI's exit code is main()'s return value
+
+    assert main(["workload", "check", str(TINY_MATH), "engine.vllm.kv_cache_dtype=fp9"]) == 2
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("rltune:")]
     assert line.startswith(f"rltune: {TINY_MATH}: engine.vllm.kv_cache_dtype: vLLM refused the engine arguments: "
                            "ValidationError: 1 validation error for CacheConfig; cache_dtype; Input should be 'auto'")
-    out = _cli("workload", "check", str(TINY_MATH), "engine.vllm.seed=3")
-    assert out.returncode == 2 and "engine.vllm.seed: rltune sets this vLLM argument itself: set orchestrator.seed" \
-        in out.stderr
+    assert main(["workload", "check", str(TINY_MATH), "engine.vllm.seed=3"]) == 2
+    assert "engine.vllm.seed: rltune sets this vLLM argument itself: set orchestrator.seed" in capsys.readouterr().err
 
 
 def test_the_presets_write_out_vllms_own_defaults():
