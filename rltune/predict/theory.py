@@ -399,8 +399,10 @@ register_term("rollout", "decode", ("batch", "answer_cap_tokens", "context_limit
                                     "active_params", "workload", "device", "sandbox_pool_size", "sandbox_hosts",
                                     "max_sample_age", "generation_batch_size", "batch_reuse"),
               # CPU: small-batch decode in eager kernels runs at a few GFLOP/s, an order of magnitude below the dense
-              # matmuls of training, so each sequence in the batch adds a real share to a decode step
-              {"s_per_decode_step": (2e-3, 0.01), "compile_factor": (0.7, 0.7), "s_per_weight_byte": (1e-10, 2.5e-13),
+              # matmuls of training, so each sequence in the batch adds a real share to a decode step.
+              # compile_factor on a GPU: CUDA graphs cut the H200 small job's rollout 8.4 -> 0.9 s a step
+              # (bench/results/graph-decode-h200-*/); on a CPU torch.compile saves less of a step's fixed cost.
+              {"s_per_decode_step": (2e-3, 0.01), "compile_factor": (0.7, 0.15), "s_per_weight_byte": (1e-10, 2.5e-13),
                "s_per_decode_flop": (3e-10, 3e-15), "continuous_fill": (0.7, 0.7), "run_ahead_efficiency": (0.5, 1.0)},
               _decode, "decode steps over the longest trial per wave x cost of one step, over the batches generated at once")
 register_term("rollout", "sandbox", ("workload", "sandbox_pool_size", "sandbox_hosts", "prebuilt_image", "batch"),

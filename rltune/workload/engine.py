@@ -50,6 +50,7 @@ class EngineSettings:
     num_threads: int
     sample_seed: int
     loader: Any  # the weight-sync transport's engine side (a rltune.sync.transports Loader)
+    max_context_tokens: int = 0  # the longest context a sequence reaches; sizes the CUDA-graph cache (0: kv_cache_tokens)
 
 
 @dataclass
@@ -91,7 +92,17 @@ class Engine:
         self.device = torch.device(settings.device)
         self.model = build_model(settings.preset, settings.seed, torch_dtype(settings.dtype), self.device,
                                  settings.attn_implementation).eval()
-        self.forward = torch.compile(self.model, dynamic=True) if settings.compile else self.model
+        # engine.compile: on a GPU the decode step is replayed as CUDA graphs (rltune.workload.graph_decode)
+        # and prefill runs eagerly; on a CPU, where there are no graphs, torch.compile compiles the forward.
+        self.graph = None
+        if settings.compile and self.device.type == "cuda":
+            from rltune.workload.graph_decode import GraphDecoder
+
+            columns = min(settings.kv_cache_tokens, (settings.max_context_tokens or settings.kv_cache_tokens) + 1)
+            self.graph = GraphDecoder(self.model, settings.max_concurrent_seqs, columns)
+        compiled = settings.compile and self.graph is None
+        self.forward = torch.compile(self.model, dynamic=True) if compiled else self.model
+        self._graph_keys: list | None = None  # the cache lists the last graph step handed back
         # transformers renamed the cache argument ('past_key_values' -> 'cache'); accept either.
         self.cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.eos = TOKENIZER.eos_id
@@ -152,7 +163,12 @@ class Engine:
 
     # -- main loop -------------------------------------------------------------------------------
     def serve(self, in_queue) -> None:
-        if self.s.compile:
+        if self.graph is not None:
+            start = time.perf_counter()
+            with self.torch.inference_mode():
+                self.graph.capture()
+            self.warm_up_s = time.perf_counter() - start
+        elif self.s.compile:
             self.warm_up()
         self.out.put(("ready", self.index, {"params": sum(p.numel() for p in self.model.parameters()),
                                             "warm_up_s": self.warm_up_s}))
@@ -372,6 +388,9 @@ class Engine:
 
         self._preempt_if_needed()
         start = time.perf_counter()
+        if self.graph is not None and self.graph.fits(len(self.running), self.mask.shape[1]):
+            self._graph_decode_step(start)
+            return
         cache = DynamicCache(ddp_cache_data=list(zip(self.keys, self.values, strict=True)), config=self.model.config)
         ones = torch.ones((self.mask.shape[0], 1), dtype=self.mask.dtype, device=self.device)
         mask = torch.cat([self.mask, ones], dim=1)
@@ -387,6 +406,21 @@ class Engine:
         self.counters["decode_s"] += time.perf_counter() - start
         self.counters["forward_steps"] += 1
         self._sample_and_advance(out.logits[:, -1, :], rows=list(range(len(self.running))))
+
+    def _graph_decode_step(self, start: float) -> None:
+        """The decode step on the graph decoder's buffers; the engine's cache becomes views of them."""
+        batch = len(self.running)
+        if self.keys is not self._graph_keys:  # rows joined, finished or were preempted since the last step
+            self.graph.load(self.keys, self.values, self.mask)
+        with self.torch.inference_mode():
+            logits = self.graph.step(self.last_tokens, self.positions)
+        self.keys, self.values, self.mask = self.graph.cache(batch)
+        self._graph_keys = self.keys
+        self.positions = self.positions + 1
+        self._note_kv()
+        self.counters["decode_s"] += time.perf_counter() - start
+        self.counters["forward_steps"] += 1
+        self._sample_and_advance(logits, rows=list(range(batch)))
 
 
 def _output_cache(out):

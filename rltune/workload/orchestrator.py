@@ -93,7 +93,8 @@ class _Job:
                 max_concurrent_seqs=cfg.engine.max_concurrent_seqs, batching=cfg.engine.batching,
                 kv_cache_tokens=cfg.engine.kv_cache_tokens, compile=cfg.engine.compile,
                 num_threads=cfg.engine.num_threads, sample_seed=cfg.orchestrator.seed,
-                loader=self.publisher.loader())
+                loader=self.publisher.loader(),
+                max_context_tokens=cfg.env.context_limit_tokens + cfg.env.max_new_tokens)
         from rltune.workload.placement import place, visible_gpus
 
         devices = place(cfg, visible_gpus(), settings.device, settings.device).engines
