@@ -65,7 +65,6 @@ def register(app: typer.Typer) -> None:
             return
 
         from rich.console import Console
-        from rich.table import Table
 
         from rltune.sync.bench import (
             SyncBenchError,
@@ -84,16 +83,11 @@ def register(app: typer.Typer) -> None:
         result = run_sync_bench(cfg, out, progress=progress)
         record = result.record
 
-        lines = summary_lines(record)
-        table = Table(title=f"sync-bench {cfg.name}: {record['model']['params'] / 1e6:.1f} M params, "
-                            f"{record['device']['name']}, medians over {cfg.steps} steps",
-                      caption="blocking = dispatch-blocking engine update = pause + apply(+verify) or transfer + "
-                              "resume; read = engine read + decode while serving; ok = updates bit-identical")
-        for column in lines[0]:
-            table.add_column(column, justify="left" if column == "transport" else "right")
-        for line in lines:
-            table.add_row(*line.values())
-        console.print(table)
+        _print_table(console, summary_lines(record),
+                     title=f"sync-bench {cfg.name}: {record['model']['params'] / 1e6:.1f} M params, "
+                           f"{record['device']['name']}, medians over {cfg.steps} steps",
+                     caption="blocking = dispatch-blocking engine update = pause + apply(+verify) or transfer + "
+                             "resume; read = engine read + decode while serving; ok = updates bit-identical")
         for name, why in record["skipped"].items():
             console.print(f"skipped {name}: {why}")
         for key, value in record["ratios"].items():
@@ -106,6 +100,18 @@ def register(app: typer.Typer) -> None:
                    if e["verified"] != e["updates"] or e["checksum_failures"]}
             raise SyncBenchError(f"{result.record_path}: updates failed verification ({bad}); the engine's weights "
                                  "differ from the trainer's")
+
+
+def _print_table(console, lines: list[dict[str, str]], title: str, caption: str) -> None:
+    """A summary's rows as one table: its first column left-aligned (the row's name), numbers right."""
+    from rich.table import Table
+
+    table = Table(title=title, caption=caption)
+    for k, column in enumerate(lines[0]):
+        table.add_column(column, justify="left" if k == 0 else "right")
+    for line in lines:
+        table.add_row(*line.values())
+    console.print(table)
 
 
 def _int_list(option: str, text: str) -> list[int]:
@@ -126,7 +132,6 @@ def _readers(preset: str, out: Path, readers: str | None, storage: str | None, s
     import sys
 
     from rich.console import Console
-    from rich.table import Table
 
     from rltune.sync.bench.readers import (
         ReadersBenchError,
@@ -147,18 +152,13 @@ def _readers(preset: str, out: Path, readers: str | None, storage: str | None, s
     progress = None if quiet else (lambda msg: console.print(f"[dim]{msg}[/dim]", highlight=False))
     result = run_readers_bench(cfg, out, progress=progress)
     record = result.record
-    table = Table(title=f"sync-bench readers {cfg.name}: {record['model']['params'] / 1e6:.1f} M params, "
-                        f"{record['cpus']} CPUs, medians over {cfg.steps} steps",
-                  caption="read+decode = one reader's prefetch of a step (cpu: that reader's CPU time in it); x N=1 = "
-                          "its median over one reader's; "
-                          "agg = bytes all readers read / the step's read window; load = load average at the start; "
-                          "ok = reader updates bit-identical to the trainer")
-    lines = readers_summary_lines(record)
-    for column in lines[0]:
-        table.add_column(column, justify="left" if column == "storage" else "right")
-    for line in lines:
-        table.add_row(*line.values())
-    console.print(table)
+    _print_table(console, readers_summary_lines(record),
+                 title=f"sync-bench readers {cfg.name}: {record['model']['params'] / 1e6:.1f} M params, "
+                       f"{record['cpus']} CPUs, medians over {cfg.steps} steps",
+                 caption="read+decode = one reader's prefetch of a step (cpu: that reader's CPU time in it); x N=1 = "
+                         "its median over one reader's; "
+                         "agg = bytes all readers read / the step's read window; load = load average at the start; "
+                         "ok = reader updates bit-identical to the trainer")
     console.print(f"wrote {result.record_path}")
     if json_out:
         sys.stdout.write(json.dumps(record, indent=2) + "\n")
@@ -173,23 +173,17 @@ def _estimate(path: Path, json_out: bool) -> None:
     import sys
 
     from rich.console import Console
-    from rich.table import Table
 
     from rltune.sync.estimate import estimate, estimate_lines, load_model_spec, load_rates
 
     console = Console(stderr=True, width=max(Console(stderr=True).width, 130))
     spec = load_model_spec(path)
     result = estimate(spec, load_rates())
-    table = Table(title=f"sync-bench estimate {spec.name}: {spec.params_total / 1e9:.1f} B params, "
-                        f"{spec.changed_fraction.min * 100:.2g}-{spec.changed_fraction.max * 100:.2g} % changed per step",
-                  caption="each output: low - high from the inputs' min/max (rates: rltune/sync/data/rates.yaml, "
-                          "each with its record and git SHA)")
-    lines = estimate_lines(result)
-    for column in lines[0]:
-        table.add_column(column, justify="left" if column == "output" else "right")
-    for line in lines:
-        table.add_row(*line.values())
-    console.print(table)
+    _print_table(console, estimate_lines(result),
+                 title=f"sync-bench estimate {spec.name}: {spec.params_total / 1e9:.1f} B params, "
+                       f"{spec.changed_fraction.min * 100:.2g}-{spec.changed_fraction.max * 100:.2g} % changed per step",
+                 caption="each output: low - high from the inputs' min/max (rates: rltune/sync/data/rates.yaml, "
+                         "each with its record and git SHA)")
     for note in result["notes"]:
         console.print(f"- {note}", highlight=False)
     for c in result["checks"]:
