@@ -27,7 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-RATES_VERSION = 2  # raise with every change of a value (2: the H200 host sweep of git e3265b8 replaces the CPU stand-ins)
+RATES_VERSION = 3  # raise with every change of a value (2: the H200 host sweep of git e3265b8 replaces the CPU stand-ins;
+# 3: both anchor rates from the H200 host's anchor section, git 992d280)
 OUT = ROOT / "rltune" / "sync" / "data" / "rates.yaml"
 RESULTS = ROOT / "bench" / "results"
 # sync-bench records with the GPU encoder and the receiver staging on the device (git 50e783e onwards)

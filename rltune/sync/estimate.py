@@ -29,11 +29,11 @@ receiver as they are):
 - the host work of ``publish``, ``prefetch`` and the update grows with the tensors (per-tensor and
   per-entry rates from a sweep over the number of tensors: ``bench/sync_estimate_rates.py``).
 
-Each rate names the machine it was measured on. The host rates of that sweep are the H200 host's
-(``bench/sync_estimate_rates.py --device cuda``); a rate no H200 record measures yet (the anchor load:
-that run's anchor section did not finish) is the 2-core CPU's, machine ``CPU``: every output lists
-the rates it depends on (``inputs``) and, of those, the CPU stand-ins (``cpu_only_inputs``), and the
-CLI prints them beside each row.
+Each rate names the machine it was measured on. The host rates of that sweep and the anchor write
+and load rates are the H200 host's (``bench/sync_estimate_rates.py --device cuda``); a rate no H200
+record measures would be the 2-core CPU's, machine ``CPU`` (none is, as of rates version 3): every
+output lists the rates it depends on (``inputs``) and, of those, the CPU stand-ins
+(``cpu_only_inputs``), and the CLI prints them beside each row.
 
 Example::
 

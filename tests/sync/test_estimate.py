@@ -106,6 +106,11 @@ def test_a_dense_model_on_one_rank_by_hand(rates):
     rate_lo = min(r["anchor_write_GBps"].min, spec.storage.write_GBps.min) * 1e9
     assert out["anchor_write_s"]["hi"] == pytest.approx(2e9 / rate_lo)
     assert out["anchor_per_step_s"]["hi"] == pytest.approx(out["anchor_write_s"]["hi"] / spec.anchor_interval)
+    # a fresh single-GPU worker holds all 2 GB; it loads them at min(the anchor-load rate, its share of the read)
+    load_hi = min(r["anchor_load_GBps"].max, spec.storage.read_GBps.max) * 1e9
+    load_lo = min(r["anchor_load_GBps"].min, spec.storage.read_GBps.min) * 1e9
+    assert out["anchor_load_s"]["lo"] == pytest.approx(2e9 / load_hi)
+    assert out["anchor_load_s"]["hi"] == pytest.approx(2e9 / load_lo)
 
 
 @pytest.mark.parametrize("name", HEADLINE)
@@ -234,15 +239,25 @@ H200_HOST_SWEEP = ("publish_per_call_ms", "publish_per_tensor_ms", "prefetch_per
                    "update_host_per_tensor_us")
 
 
-def test_the_host_rates_are_the_h200_sweeps_and_only_the_anchor_load_is_a_cpu_stand_in(rates):
+H200_ANCHOR = "bench/results/sync_estimate_rates-h200-anchor-992d280.json"
+
+
+def test_the_host_and_anchor_rates_are_the_h200_hosts_and_none_is_a_cpu_stand_in(rates):
     """bench/results/sync_estimate_rates-h200-e3265b8.json holds the framing and the host sweep, not the anchor
-    section: the five host rates are its, the anchor load stays the CPU's, marked, and nothing else is."""
+    section: the five host rates are its. The anchor write and load rates are the H200 host's anchor section
+    (sync_estimate_rates-h200-anchor-992d280.json: 1 GiB, disk and tmpfs), so no rate is a CPU stand-in."""
     record = "bench/results/sync_estimate_rates-h200-e3265b8.json"
     for name in H200_HOST_SWEEP:
         r = rates.rates[name]
         assert r.machine == "H200 host" and [(s.record, s.git) for s in r.sources] == [(record, "e3265b8")], name
-    assert [n for n, r in rates.rates.items() if r.cpu_only] == ["anchor_load_GBps"]
-    assert rates.rates["anchor_write_GBps"].sources[0].record == "bench/results/syncbench-h200-1683123/sync-bench.json"
+    assert [n for n, r in rates.rates.items() if r.cpu_only] == []
+    anchor = json.loads((ROOT / H200_ANCHOR).read_text())["anchor"]
+    for name, lo, hi in (("anchor_write_GBps", 0.274, 0.312), ("anchor_load_GBps", 0.198, 0.595)):
+        r = rates.rates[name]
+        assert r.machine == "H200 host" and [(s.record, s.git) for s in r.sources] == [(H200_ANCHOR, "992d280-dirty")]
+        # the min and max over both storages' runs: 0.274-0.312 GB/s a trainer rank, 0.198-0.595 a fresh worker
+        assert (r.min, r.max) == (min(w[name]["min"] for w in anchor.values()), max(w[name]["max"] for w in anchor.values()))
+        assert r.min == pytest.approx(lo, abs=5e-4) and r.max == pytest.approx(hi, abs=5e-4), name
     # a per-call cost is at most a whole call at the sweep's smallest tensor count (32: 15.8-21.8 ms a publish,
     # 0.90-1.35 ms an update), whatever the least-squares line's intercept over 32-16,384 tensors says
     sweep = json.loads((ROOT / record).read_text())["overheads"]
@@ -251,9 +266,11 @@ def test_the_host_rates_are_the_h200_sweeps_and_only_the_anchor_load_is_a_cpu_st
         assert 0 <= rates.rates[name].min <= rates.rates[name].max <= whole * 1e3 + 1e-9, name
     result = estimate(load_model_spec(PRESETS / "qwen3-30b-a3b.yaml"), rates)
     out = result["by_dtype"]["bf16"]["outputs"]
-    for name in ("trainer_publish_s", "engine_read_s", "dispatch_blocking_s", "sync_critical_s"):
+    for name in ("trainer_publish_s", "engine_read_s", "dispatch_blocking_s", "sync_critical_s", "anchor_write_s",
+                 "anchor_load_s", "full_sync_s"):
         assert out[name]["cpu_only_inputs"] == [], name
-    assert out["anchor_load_s"]["cpu_only_inputs"] == ["anchor_load_GBps"] == result["cpu_only_inputs"]
+    assert "anchor_load_GBps" in out["anchor_load_s"]["inputs"] and "anchor_write_GBps" in out["anchor_write_s"]["inputs"]
+    assert result["cpu_only_inputs"] == [] and not any("CPU only" in n for n in result["notes"])
 
 
 def test_an_h200_rates_record_replaces_the_cpu_stand_ins(tmp_path, monkeypatch):
