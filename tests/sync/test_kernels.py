@@ -87,6 +87,40 @@ def test_checksum2_golden_values():
     assert K.checksum2(bits, offset=(1 << 32) - 2, backend="triton") == _checksum2_by_hand(big, (1 << 32) - 2)
 
 
+def _checksum2_edge_bits(n: int, width: int) -> torch.Tensor:
+    # the full pass's programs hold 8192 elements: the first all ones (the largest value every term
+    # can take), the second random with the top bit set (fp32: above P, reduced only through the
+    # lanes), the third cycling through the values next to P and 2**32, the rest random
+    bits = random_bits(n, width, seed=n + width)
+    top = {8: 0x80, 16: -0x8000, 32: -(1 << 31)}[width]
+    bits[:8192] = -1 if width != 8 else 0xFF
+    bits[8192:2 * 8192] |= top
+    edges = torch.tensor([0x7FFFFFFE, 0x7FFFFFFF, -(1 << 31), -(1 << 31) + 1, -2, -1, 0, 1], dtype=torch.int64)
+    if width != 32:
+        edges &= (1 << width) - 1
+    third = bits[2 * 8192:3 * 8192]
+    third.copy_(edges.to(torch.int32).repeat(third.numel() // 8 + 1)[:third.numel()].to(third.dtype))
+    return bits
+
+
+@pytest.mark.parametrize("width", [16, 32, 8])
+@pytest.mark.parametrize("n", [8191, 8192, 3 * 8192 + 517])  # masked only, one unmasked program, both
+def test_checksum2_at_the_edges_of_its_bounds(n, width):
+    from rltune.sync.kernels import triton_kernels as tk
+    from rltune.sync.kernels.cpu_kernels import checksum2_cpu
+
+    assert tk.CHECKSUM2_BLOCK * tk.CHECKSUM2_TILES == 8192, "the sizes here straddle a program"
+    bits = _checksum2_edge_bits(n, width)
+    mask = (1 << width) - 1
+    # positions that cross 2**32 in the first program and 3 * 2**32 in the second, and a high word of 2**30
+    for offset in (0, (1 << 32) - 4000, 3 * (1 << 32) - 8192 - 77, (1 << 62) + 11):
+        want = R.checksum2_ref(bits, offset)
+        assert K.checksum2(bits.to(DEVICE), offset=offset, backend="triton") == want
+        assert checksum2_cpu(bits, offset) == want
+        partials = tk.checksum2_partials(bits.to(DEVICE), offset, mask)
+        assert bool(((partials >= 0) & (partials < R.P31)).all()), "a program's lanes are not reduced mod P"
+    assert R.checksum2_ref(bits) != 0
+
 def test_checksum2_sees_edits_whose_position_weighted_changes_cancel():
     # +2 at element i and -1 at element 2i + 1 move sum (i+1) * u by 2(i+1) - (2i+2) = 0; and
     # (+1, -3, +3, -1) on four neighbours cancels any weighting polynomial in i up to degree 2
@@ -351,6 +385,42 @@ def test_fused_apply_blocks_within_one_entry_take_the_contiguous_path_exactly(ad
     assert torch.equal(params[0].cpu(), ref[0])
     assert 0 < want_written[0] < 3000
 
+
+@pytest.mark.parametrize("width", [16, 32, 8])
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+@pytest.mark.parametrize("add", [True, False])
+def test_fused_apply_checksum2_at_the_edges_of_its_bounds(add, backend, width):
+    # Checkpoint indices across 2**32 (entry 0: rows [2**20 - 1, 2**20 + 1) of 4096 columns, whole
+    # blocks and a partial last one), in a column window past 2**33 (entry 1: the per-change path) and
+    # past 2**40 (entry 2); old values all ones or with the top bit set, new ones all ones, zero,
+    # random or with the top bit set.
+    dev = _fused_device(backend)
+    r0, r1, r2 = (1 << 20) - 1, (1 << 26) - 8, 1 << 31
+    layouts = [K.strided_layout(0, [1 << 21, 4096], base=-r0 * 4096, rows=(r0, r0 + 2)),
+               K.strided_layout(1, [1 << 28, 64], base=-r1 * 37 - 3, rows=(r1, r1 + 16), cols=(3, 40)),
+               K.strided_layout(2, [1 << 36, 16], base=-r2 * 16, rows=(r2, r2 + 8))]
+    top = {8: 0x80, 16: -0x8000, 32: -(1 << 31)}[width]
+    params = [torch.full((8192,), -1 if width != 8 else 0xFF, dtype=BITS[width]),
+              random_bits(16 * 37, width, seed=1, device="cpu") | top, random_bits(128, width, seed=2, device="cpu")]
+    g = torch.Generator().manual_seed(3)
+    idx = torch.cat([torch.randperm(8192, generator=g)[:1300].sort().values + r0 * 4096,
+                     torch.randperm(16 * 64, generator=g)[:300].sort().values + r1 * 64,  # some outside the columns
+                     torch.arange(0, 128, 3) + r2 * 16])
+    offsets = torch.tensor([0, 1300, 1600, idx.numel()])
+    val = random_bits(idx.numel(), 32, seed=4, device="cpu")
+    if not add:
+        val[0::4], val[1::4], val[2::4] = -1, 0, val[2::4] | (1 << (width - 1))
+    ref = [p.clone() for p in params]
+    before = R.checksum2_ref(params[0], r0 * 4096)
+    params = [p.to(dev) for p in params]
+    got = K.ApplyPlan(params, layouts, backend=backend).apply(torch.arange(3), offsets, idx, val, add=add, mix=True)
+    want_sums, want_written, want_mix = R.apply_deltas_ref(ref, layouts, torch.arange(3), offsets, idx, val, add,
+                                                          mix=True)
+    assert got.checksums2() == want_mix and got.checksums() == want_sums and got.written() == want_written
+    assert all(torch.equal(p.cpu(), r) for p, r in zip(params, ref, strict=True))
+    assert 0 < want_written[1] < 300 and all(want_mix)
+    # the running checksum2 of the held slice follows the change to the full recompute's value
+    assert R.checksum2_add(before, want_mix[0]) == R.checksum2_ref(ref[0], r0 * 4096) != before
 
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)
 def test_fused_apply_with_no_changes_and_one_change(backend):

@@ -35,9 +35,23 @@ def _mix32(x):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
+def _weights2(i):
+    # checksum2's two weights (wa, wb) in [1, 2**30] of flat position i (uint64; kernels.reference)
+    m32, m30 = np.uint64(0xFFFFFFFF), np.uint64((1 << 30) - 1)
+    h = _mix32((i & m32) ^ (((i >> np.uint64(32)) * np.uint64(0x9E3779B9)) & m32))
+    return (h & m30) + np.uint64(1), (_mix32(h ^ np.uint64(0x5BD1E995)) & m30) + np.uint64(1)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _fold(x):
+    # a value below 2**32 congruent to x mod P = 2**31 - 1, for x < 2**62 (2**31 = 1 mod P)
+    return (x & np.uint64(_P31)) + (x >> np.uint64(31))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
 def _mod_p(u):
     p = np.uint64(_P31)
-    v = (u & p) + (u >> np.uint64(31))
+    v = _fold(u)
     return v - p if v >= p else v
 
 
@@ -51,8 +65,6 @@ def _apply_entry(target_N, idx_C, val_C, width, ncols, base, row_stride, col_str
     lane_a = np.uint64(0)
     lane_b = np.uint64(0)
     p = np.uint64(_P31)
-    m32 = np.uint64(0xFFFFFFFF)
-    m30 = np.uint64((1 << 30) - 1)
     written = 0
     # a whole-row window laid out row-major (a full tensor, a row slice, one half of a fused
     # parameter): the position is base + i, no division
@@ -86,14 +98,13 @@ def _apply_entry(target_N, idx_C, val_C, width, ncols, base, row_stride, col_str
         checksum += np.uint64(i + 1) * np.uint64(new - old)
         written += 1
         if mix:
-            ui = np.uint64(i)
-            h = _mix32((ui & m32) ^ (((ui >> np.uint64(32)) * np.uint64(0x9E3779B9)) & m32))
-            wa = (h & m30) + np.uint64(1)
-            wb = (_mix32(h ^ np.uint64(0x5BD1E995)) & m30) + np.uint64(1)
+            wa, wb = _weights2(np.uint64(i))
             d = _mod_p(np.uint64(new)) + p - _mod_p(np.uint64(old))  # in [1, 2P): w * d < 2**62
-            lane_a = (lane_a + wa * d) % p
-            lane_b = (lane_b + wb * d) % p
-    return checksum, written, lane_a, lane_b
+            # no remainder per change: a lane below 2**33 folds to at most 2**31 + 2 and a term to
+            # below 2**32, so the lane stays below 2**33
+            lane_a = _fold(lane_a) + _fold(wa * d)
+            lane_b = _fold(lane_b) + _fold(wb * d)
+    return checksum, written, lane_a % p, lane_b % p
 
 
 _EMPTY_TABLE = np.zeros(1, dtype=np.int64)
@@ -107,20 +118,31 @@ def _checksum_bits(bits_N, offset, mask):
     return total
 
 
+_CHECKSUM2_RUN = 1 << 16  # elements summed unreduced: 2**16 terms below 2**46 stay below 2**62
+
+
 @numba.njit(cache=True, nogil=True)
 def _checksum2_lanes(bits_N, offset, mask):
-    # checksum2's two lanes (kernels.reference.checksum2_ref), each reduced mod 2^31 - 1 as it goes
+    # checksum2's two lanes (kernels.reference.checksum2_ref). A remainder per element made one long
+    # dependency chain of the sum; instead the terms w * u of a run are summed as they are (below 2**46
+    # for elements of 16 bits or fewer; 32-bit ones, below 2**62, folded below 2**32 first) and each
+    # run's sums reduced mod P once.
     p = np.uint64(_P31)
-    m32, m30 = np.uint64(0xFFFFFFFF), np.uint64((1 << 30) - 1)
     a, b = np.uint64(0), np.uint64(0)
-    for k in range(bits_N.shape[0]):
-        i = np.uint64(offset + k)
-        h = _mix32((i & m32) ^ (((i >> np.uint64(32)) * np.uint64(0x9E3779B9)) & m32))
-        wa = (h & m30) + np.uint64(1)
-        wb = (_mix32(h ^ np.uint64(0x5BD1E995)) & m30) + np.uint64(1)
-        u = _mod_p(np.uint64(np.int64(bits_N[k]) & mask))
-        a = (a + wa * u) % p  # wa * u < 2**61: no wrap
-        b = (b + wb * u) % p
+    n = bits_N.shape[0]
+    for start in range(0, n, _CHECKSUM2_RUN):
+        run_a, run_b = np.uint64(0), np.uint64(0)
+        for k in range(start, min(start + _CHECKSUM2_RUN, n)):
+            wa, wb = _weights2(np.uint64(offset + k))
+            u = np.uint64(np.int64(bits_N[k]) & mask)  # congruent to u mod P, all a lane needs
+            if mask > 0xFFFF:
+                run_a += _fold(wa * u)
+                run_b += _fold(wb * u)
+            else:
+                run_a += wa * u
+                run_b += wb * u
+        a = (a + run_a % p) % p
+        b = (b + run_b % p) % p
     return a, b
 
 

@@ -148,59 +148,103 @@ def checksum_partials(bits_N: torch.Tensor, offset: int, mask: int) -> torch.Ten
 # ----------------------------------------------------------------------------------- checksum2
 #
 # The second checksum (reference: kernels.reference.checksum2_ref): each element weighed by a hash of
-# its position, two lanes modulo P = 2**31 - 1. int64 arithmetic throughout; every product is below
-# 2**62 and folded to below 2**32 ((x & P) + (x >> 31), 2**31 = 1 mod P) before it is summed.
+# its position, two lanes modulo P = 2**31 - 1. A GPU has no 64-bit integer ALU: every 64-bit
+# operation is several 32-bit instructions and a 64-bit remainder a long emulated sequence, which
+# made these kernels ALU-bound. So the hash is uint32 arithmetic (as it is defined), a weight times
+# a value is one 32 x 32 -> 64-bit product, no remainder is ever taken (P is a Mersenne prime:
+# 2**31 = 1 mod P, so x = (x & P) + (x >> 31) mod P by shifts and adds), and a sum is reduced as
+# late as its bound allows. Each lane is the same residue mod P as the reference's.
 
 P31 = tl.constexpr((1 << 31) - 1)
+_SHIFT_BY_MULTIPLY = tl.constexpr(not _interpreted())
+
+
+@triton.jit
+def _shr(x, S: tl.constexpr):
+    # x >> S of uint32 x; on a GPU the high word of x * 2**(32 - S) (mul.hi). The hash's xors and
+    # shifts all queue for the integer ALU while the multiply pipe, with its two products, is idle
+    # more than half the time (sm_90 SASS of the full pass on bf16, per element: 19 ALU and 8
+    # multiply-pipe instructions with shifts, 15 and 13 with mul.hi). Inline asm, as LLVM turns a
+    # multiply-high by a power of two back into a shift.
+    if _SHIFT_BY_MULTIPLY:
+        return tl.inline_asm_elementwise("mul.hi.u32 $0, $1, $2;", "=r,r,r",
+                                         [x, tl.full(x.shape, 1 << (32 - S), tl.uint32)], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
+    else:
+        return x >> S
 
 
 @triton.jit
 def _mix32(x):
-    # int64 values in [0, 2**32); products wrap mod 2**64 and the low 32 bits are exact
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & 0xFFFFFFFF
-    return x ^ (x >> 16)
+    # uint32 values: the products wrap mod 2**32, as the finaliser is defined
+    x = x ^ _shr(x, 16)
+    x = x * 0x7FEB352D
+    x = x ^ _shr(x, 15)
+    x = x * 0x846CA68B
+    return x ^ _shr(x, 16)
 
 
 @triton.jit
 def _weights2(idx):
-    # (wa, wb) in [1, 2**30] of flat positions idx >= 0 (int64)
-    h = _mix32((idx & 0xFFFFFFFF) ^ (((idx >> 32) * 0x9E3779B9) & 0xFFFFFFFF))
+    # (wa, wb) in [1, 2**30] (uint32) of flat positions idx >= 0 (int64): its low and high words
+    h = _mix32(idx.to(tl.uint32) ^ ((idx >> 32).to(tl.uint32) * 0x9E3779B9))
     return (h & 0x3FFFFFFF) + 1, (_mix32(h ^ 0x5BD1E995) & 0x3FFFFFFF) + 1
 
 
 @triton.jit
-def _mod_p(u):
-    v = (u & P31) + (u >> 31)
-    return tl.where(v >= P31, v - P31, v)
+def _fold(x):
+    # a uint32 congruent to x mod P, for 0 <= x < 2**62: (x & P) + (x >> 31) < 2**31 + 2**31
+    return (x & P31).to(tl.uint32) + (x >> 31).to(tl.uint32)
 
 
 @triton.jit
-def _fold(x):
-    return (x & P31) + (x >> 31)
+def _mod_p(x):
+    # x mod P for 0 <= x < 2**62: a fold to below 2**32, a second in 32 bits to <= P, one subtraction
+    f = _fold(x)
+    f = (f & P31) + (f >> 31)
+    return tl.where(f >= P31, f - P31, f)
+
+
+@triton.jit
+def _checksum2_tile(raw, idx, acc_a, acc_b, MASK: tl.constexpr):
+    # adds the lane terms of one tile (raw: the elements' signed bit views, 0 past the end) at positions idx
+    u = (raw.to(tl.int32).to(tl.uint32, bitcast=True) & MASK).to(tl.uint64)
+    wa, wb = _weights2(idx)
+    if MASK <= 0xFFFF:  # u < 2**16: w * u < 2**46, summed as it is
+        acc_a += wa.to(tl.uint64) * u
+        acc_b += wb.to(tl.uint64) * u
+    else:  # u < 2**32 (congruent to u mod P, all a lane needs): w * u < 2**62, folded below 2**32
+        acc_a += _fold(wa.to(tl.uint64) * u)
+        acc_b += _fold(wb.to(tl.uint64) * u)
+    return acc_a, acc_b
 
 
 @triton.jit(do_not_specialize=["n", "offset", "programs"])
 def _checksum2_kernel(bits_ptr, partial_2P_ptr, n: tl.int64, offset: tl.int64, programs: tl.int64,
                       MASK: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr):
+    # Unreduced uint64 lane sums: a term is below 2**46 (16-bit or narrower elements) or 2**32 (folded
+    # 32-bit ones), so a program's BLOCK * TILES <= 2**16 terms stay below 2**62 and never wrap; each
+    # program stores its lanes mod P.
+    tl.static_assert(BLOCK * TILES <= 1 << 16)
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * (BLOCK * TILES)
     lane = tl.arange(0, BLOCK)
     left = n - base
-    acc_a = tl.zeros([BLOCK], dtype=tl.int64)
-    acc_b = tl.zeros([BLOCK], dtype=tl.int64)
-    for t in range(TILES):
-        offs = t * BLOCK + lane
-        u = tl.load(bits_ptr + base + offs, mask=offs < left, other=0).to(tl.int64) & MASK
-        v = _mod_p(u)  # 0 past the end: adds nothing
-        wa, wb = _weights2(offset + base + offs)
-        acc_a += _fold(wa * v)
-        acc_b += _fold(wb * v)
-    # per lane < TILES * 2**32, per program < 2**46: folded to < 2**32 so the host sums any number
-    tl.store(partial_2P_ptr + pid, _fold(tl.sum(acc_a, axis=0)))
-    tl.store(partial_2P_ptr + programs + pid, _fold(tl.sum(acc_b, axis=0)))
+    ptr = bits_ptr + base
+    first = offset + base
+    acc_a = tl.zeros([BLOCK], dtype=tl.uint64)
+    acc_b = tl.zeros([BLOCK], dtype=tl.uint64)
+    if left >= BLOCK * TILES:  # a full program: unmasked (vectorised) loads
+        for t in tl.static_range(TILES):
+            acc_a, acc_b = _checksum2_tile(tl.load(ptr + t * BLOCK + lane), first + t * BLOCK + lane, acc_a, acc_b,
+                                           MASK)
+    else:
+        for t in range(TILES):
+            offs = t * BLOCK + lane
+            acc_a, acc_b = _checksum2_tile(tl.load(ptr + offs, mask=offs < left, other=0), first + offs, acc_a, acc_b,
+                                           MASK)
+    tl.store(partial_2P_ptr + pid, _mod_p(tl.sum(acc_a, axis=0)).to(tl.int64))
+    tl.store(partial_2P_ptr + programs + pid, _mod_p(tl.sum(acc_b, axis=0)).to(tl.int64))
 
 
 CHECKSUM2_BLOCK = 512
@@ -210,7 +254,7 @@ _CHECKSUM2 = Launch(_checksum2_kernel)
 
 
 def checksum2_partials(bits_N: torch.Tensor, offset: int, mask: int) -> torch.Tensor:
-    """Per-program lane sums (int64 ``[2, programs]``, each < 2**32); their sums mod P are the lanes."""
+    """Per-program lanes (int64 ``[2, programs]``, each in ``[0, P)``); their sums mod P are the lanes."""
     n = bits_N.numel()
     programs = max(1, triton.cdiv(n, CHECKSUM2_BLOCK * CHECKSUM2_TILES))
     partial_2P = torch.empty(2 * programs, dtype=torch.int64, device=bits_N.device)
@@ -616,10 +660,15 @@ def _patch(address, pos, held, val, idx, WIDTH: tl.constexpr, ADD: tl.constexpr,
     tl.store(ptr, u_new.to(old.dtype), mask=held)
     c1 = tl.where(held, (idx + 1) * (u_new - u_old), 0)
     if MIX:
-        d = _mod_p(u_new) - _mod_p(u_old) + P31  # in [1, 2P): w * d < 2**62
+        v_old = u_old.to(tl.uint32)
+        v_new = u_new.to(tl.uint32)
+        if WIDTH == 32:  # narrower values are below P already
+            v_old = _mod_p(v_old)
+            v_new = _mod_p(v_new)
+        d = (v_new + (P31 - v_old)).to(tl.uint64)  # in [1, 2P), below 2**32: w * d < 2**62
         wa, wb = _weights2(idx)
-        la = tl.where(held, _fold(wa * d), 0)
-        lb = tl.where(held, _fold(wb * d), 0)
+        la = tl.where(held, _fold(wa.to(tl.uint64) * d), 0).to(tl.int64)
+        lb = tl.where(held, _fold(wb.to(tl.uint64) * d), 0).to(tl.int64)
     else:
         la = c1 * 0
         lb = c1 * 0
@@ -644,8 +693,8 @@ def _apply_deltas_kernel(idx_C_ptr, val_C_ptr, n_changes: tl.int64, entry_offset
                          n_entries: tl.int64, search_steps: tl.int32, layout_ptr, table_ptr, address_ptr,
                          checksum_E_ptr, written_E_ptr, mix_a_E_ptr, mix_b_E_ptr, WIDTH: tl.constexpr,
                          ADD: tl.constexpr, MIX: tl.constexpr, COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
-    # MIX: also the checksum2 lanes per entry (each block's sum reduced mod P before its atomic, so an
-    # entry's int64 sum stays exact for any number of blocks)
+    # MIX: also the checksum2 lanes per entry (each block's sum, below BLOCK * 2**32, reduced mod P
+    # before its atomic, so an entry's int64 sum stays exact for any number of blocks)
     pid = tl.program_id(0)
     j0 = pid.to(tl.int64) * BLOCK
     j = j0 + tl.arange(0, BLOCK)
@@ -676,8 +725,8 @@ def _apply_deltas_kernel(idx_C_ptr, val_C_ptr, n_changes: tl.int64, entry_offset
             tl.atomic_add(checksum_E_ptr + first, tl.sum(one_contribution, axis=0))
             tl.atomic_add(written_E_ptr + first, tl.sum(one_held.to(tl.int64), axis=0))
             if MIX:
-                tl.atomic_add(mix_a_E_ptr + first, tl.sum(one_a, axis=0) % P31)
-                tl.atomic_add(mix_b_E_ptr + first, tl.sum(one_b, axis=0) % P31)
+                tl.atomic_add(mix_a_E_ptr + first, _mod_p(tl.sum(one_a, axis=0)).to(tl.int64))
+                tl.atomic_add(mix_b_E_ptr + first, _mod_p(tl.sum(one_b, axis=0)).to(tl.int64))
         else:
             entry = _find_entry(entry_offsets_ptr, tl.where(live, j, 0), n_entries, search_steps)
             row = tl.load(entry_tensor_ptr + entry, mask=live, other=0) * COLUMNS
@@ -716,8 +765,8 @@ def _apply_deltas_kernel(idx_C_ptr, val_C_ptr, n_changes: tl.int64, entry_offset
             tl.atomic_add(checksum_E_ptr + entry, contribution, mask=others)
             tl.atomic_add(written_E_ptr + entry, written, mask=others)
             if MIX:  # a change's lane value is < 2**32 and an entry is "other" in at most one block
-                tl.atomic_add(mix_a_E_ptr + first, tl.sum(tl.where(in_first, mix_a, 0), axis=0) % P31)
-                tl.atomic_add(mix_b_E_ptr + first, tl.sum(tl.where(in_first, mix_b, 0), axis=0) % P31)
+                tl.atomic_add(mix_a_E_ptr + first, _mod_p(tl.sum(tl.where(in_first, mix_a, 0), axis=0)).to(tl.int64))
+                tl.atomic_add(mix_b_E_ptr + first, _mod_p(tl.sum(tl.where(in_first, mix_b, 0), axis=0)).to(tl.int64))
                 tl.atomic_add(mix_a_E_ptr + entry, mix_a, mask=others)
                 tl.atomic_add(mix_b_E_ptr + entry, mix_b, mask=others)
 
