@@ -96,10 +96,10 @@ class Engine:
         # and prefill runs eagerly; on a CPU, where there are no graphs, torch.compile compiles the forward.
         self.graph = None
         if settings.compile and self.device.type == "cuda":
-            from rltune.workload.graph_decode import GraphDecoder
+            from rltune.workload.graph_decode import GraphDecoder, buffer_shape
 
-            columns = min(settings.kv_cache_tokens, (settings.max_context_tokens or settings.kv_cache_tokens) + 1)
-            self.graph = GraphDecoder(self.model, settings.max_concurrent_seqs, columns)
+            self.graph = GraphDecoder(self.model, *buffer_shape(settings.max_concurrent_seqs, settings.kv_cache_tokens,
+                                                                settings.max_context_tokens))
         compiled = settings.compile and self.graph is None
         self.forward = torch.compile(self.model, dynamic=True) if compiled else self.model
         self._graph_keys: list | None = None  # the cache lists the last graph step handed back

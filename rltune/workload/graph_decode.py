@@ -31,6 +31,14 @@ if TYPE_CHECKING:
     import torch
 
 
+def buffer_shape(max_seqs: int, kv_cache_tokens: int, max_context_tokens: int) -> tuple[int, int]:
+    """(rows, columns) of the buffers: columns for the longest context (0: the KV budget), and no more
+    rows than the engine's KV budget holds at that width, so the buffers never take more memory than
+    ``engine.kv_cache_tokens`` allows; a larger batch runs eagerly."""
+    columns = min(kv_cache_tokens, (max_context_tokens or kv_cache_tokens) + 1)
+    return max(1, min(max_seqs, kv_cache_tokens // columns)), columns
+
+
 def buckets(rows: int) -> list[int]:
     """Batch sizes a graph is captured for: powers of two below ``rows``, and ``rows``."""
     sizes, b = [], 1

@@ -15,7 +15,7 @@ import torch
 from test_workload_engine_trainer import LOGPROB_ATOL, PROMPTS, drive, reference_logprobs
 
 from rltune.workload.engine import Engine, EngineSettings
-from rltune.workload.graph_decode import GraphDecoder, buckets
+from rltune.workload.graph_decode import GraphDecoder, buckets, buffer_shape
 from rltune.workload.model import build_model
 
 
@@ -46,6 +46,13 @@ def _count_graph_steps(engine) -> list[int]:
 
     engine.graph.step, engine.graph.load = counted_step, counted_load
     return seen
+
+
+def test_the_buffers_hold_the_longest_context_within_the_kv_budget():
+    assert buffer_shape(128, 65536, 384) == (128, 385)   # the H200 small job: everything fits
+    assert buffer_shape(1024, 65536, 384) == (170, 385)  # more rows than the budget holds at that width
+    assert buffer_shape(16, 8192, 0) == (1, 8192)        # no context given: one row of the whole budget
+    assert buffer_shape(8, 100, 4000) == (1, 100)        # a context longer than the budget
 
 
 def test_buckets_cover_every_batch_size():
