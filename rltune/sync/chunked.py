@@ -404,9 +404,10 @@ class DeltaRecorder:
             idx, new_changed = diff_ref(old, new)
             if idx.numel():
                 old_changed = old[idx]
-                self._deltas.append(ChunkDelta(name, idx + a, wire_diff(old_changed, new_changed, wire_width(new)),
-                                               checksum_update_ref(idx + a, old_changed, new_changed),
-                                               checksum2_update_ref(idx + a, old_changed, new_changed)))
+                idx = idx + a  # absolute indices, made once for the delta and both checksums
+                self._deltas.append(ChunkDelta(name, idx, wire_diff(old_changed, new_changed, wire_width(new)),
+                                               checksum_update_ref(idx, old_changed, new_changed),
+                                               checksum2_update_ref(idx, old_changed, new_changed)))
         self._old = []
 
     def step_adamw(self, chunks: list[Chunk], update: AdamWUpdate) -> bool:
