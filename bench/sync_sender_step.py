@@ -115,13 +115,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step}: " + ", ".join(f"{n} {1e3 * v[-1]:.1f} ms" for n, v in times.items() if v)
                   + f"; {changes[-1]} changes, deltas identical", flush=True)
     params = sum(p.numel() for p in arms["plain"][0].parameters())
+    sink = arms["triton"][2].recorder.sink
     record = dict(benchmark="sync_sender_step", git_sha=git_sha(), device=device_info(str(device)), model=args.model,
                   params=params, chunk_elements=args.chunk_elements, adamw=args.adamw, lr=args.lr,
                   batch=args.batch, seq_len=args.seq_len, steps=args.steps,
                   warmup=args.warmup, changes_per_step=changes[args.warmup:],
                   plain_step=stats(times["plain"]), step_torch_differ=stats(times["torch"]),
                   step_triton_differ=stats(times["triton"]), step_triton_staged=stats(times["staged"]),
-                  fused_step=bool(arms["triton"][2]._sink is not None and arms["triton"][2]._sink.fuse_adamw),
+                  fused_step=bool(sink is not None and sink.fuse_adamw),
                   deltas_identical=True)
     record["extra_ms_torch_differ"] = record["step_torch_differ"]["median_ms"] - record["plain_step"]["median_ms"]
     record["extra_ms_triton_differ"] = record["step_triton_differ"]["median_ms"] - record["plain_step"]["median_ms"]

@@ -34,6 +34,12 @@ API::
     recorder = DeltaRecorder(model.named_parameters(), max_elements, wire_dtype=torch.bfloat16)
     chunked_step(optimizer, recorder, max_elements)
     changes = recorder.collect()    # {name: TensorChanges(idx_C, new_C, old_C, checksum_change)}
+    deltas = recorder.collect_deltas()   # or, as a delta carries them: [ChunkDelta(name, idx_C, diff_C,
+                                         #   checksum_change, checksum2_change)], chunk by chunk
+
+    DeltaRecorder(..., ranges={name: (start, stop)})   # record only these flat elements (a rank's rows)
+    DeltaRecorder(..., sink=False)   # no ChangeSink: the torch reference diffs each chunk into tensors
+                                     # of its own (no capacity bound); collect_deltas() only
 
 Example::
 
@@ -48,15 +54,25 @@ Example::
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 from rltune.errors import RltuneError
-from rltune.sync.kernels import ChangeSink
-from rltune.sync.kernels.reference import MASK64, adamw_beta_powers
+from rltune.sync.kernels import ChangeSink, PackedGroup
+from rltune.sync.kernels.reference import (
+    MASK64,
+    P31,
+    adamw_beta_powers,
+    checksum2_contributions_ref,
+    checksum2_pack,
+    checksum2_update_ref,
+    checksum_update_ref,
+    diff_ref,
+)
+from rltune.sync.ops import wire_bits, wire_diff, wire_width
 
 DEFAULT_MAX_ELEMENTS = 1 << 26
 
@@ -245,21 +261,58 @@ class TensorChanges:
     checksum_change: int  # sum (idx + 1) * (u_new - u_old) mod 2**64
 
 
+@dataclass
+class ChunkDelta:
+    """One recorded chunk's changes as a delta carries them (:meth:`DeltaRecorder.collect_deltas`)."""
+
+    name: str
+    idx_C: torch.Tensor  # int64, absolute flat indices of the tensor, ascending
+    diff_C: torch.Tensor  # int64, signed wrapped wire-bit differences (u_new - u_old), as ops.wire_diff
+    checksum_change: int  # sum (idx + 1) * (u_new - u_old) mod 2**64
+    checksum2_change: int  # the packed checksum2 change (kernels.reference.checksum2_update_ref)
+
+
+class UnknownParameterError(ChunkedStepError):
+    """The optimizer steps a parameter the recorder was not given."""
+
+
+class _Prepared(NamedTuple):
+    """What the recorder derives from an update's chunks, kept in the update's cache while they keep their storage."""
+
+    names: list[str]  # the chunks that hold recorded elements, clamped to their tensor's range
+    offsets: list[int]  # each clamped chunk's first element in its tensor
+    sources: list[torch.Tensor]  # the clamped chunks' flat views
+    dtype: torch.dtype  # their wire dtype
+    group: PackedGroup | None  # the sink's packed group (None without a sink)
+    whole: bool  # no chunk was clamped: the update is all recorded elements
+
+
 class DeltaRecorder:
     """A :class:`ChunkHook` that records every changed element of a step, chunk by chunk.
 
     ``wire_dtype`` casts floating parameters as sent (fp32 master weights published as bf16); the
-    old bits of an update live in the sink's staging buffer, one per wire dtype. ``capacity_fraction`` sizes the
-    pinned change buffers as a fraction of all elements (a step that changes more raises
-    :class:`~rltune.sync.kernels.ChangeCapacityError` at :meth:`collect`). ``backend``: as in
-    :mod:`rltune.sync.kernels` ("auto": Triton on CUDA, torch reference on CPU). ``outputs``: where
-    the changes go ("host": pinned memory, "device": the GPU's). ``fuse_adamw``: whether a fused
-    AdamW's updates are stepped by the sink with the diff inside (``ChangeSink``; "auto": on CUDA).
+    old bits of an update live in the sink's staging buffer, one per wire dtype. ``capacity_fraction``
+    sizes the pinned change buffers as a fraction of all recorded elements (a step that changes more
+    raises :class:`~rltune.sync.kernels.ChangeCapacityError` at :meth:`collect` and
+    :meth:`collect_deltas`). ``backend``: as in :mod:`rltune.sync.kernels` ("auto": Triton on CUDA,
+    torch reference on CPU). ``outputs``: where the changes go ("host": pinned memory, "device": the
+    GPU's). ``fuse_adamw``: whether a fused AdamW's updates are stepped by the sink with the diff
+    inside (``ChangeSink``; "auto": on CUDA).
+
+    ``ranges``: ``{name: (start, stop)}``, the flat elements of each tensor to record (a trainer rank's
+    rows); the chunks are clamped to them, an update holding none is not looked at, and only an update
+    that holds nothing else is stepped by the sink. None: every element.
+
+    ``sink=False``: no :class:`~rltune.sync.kernels.ChangeSink`. Each chunk's old wire bits are copied
+    before its update and diffed by the torch reference right after it, into tensors of their own on
+    the parameters' device: no capacity bound, two host syncs per chunk. :meth:`collect_deltas` then
+    returns those tensors; :meth:`collect` needs the sink.
     """
 
     def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], max_elements: int = DEFAULT_MAX_ELEMENTS,
                  wire_dtype: torch.dtype | None = None, capacity_fraction: float = 0.25, backend: str = "auto",
-                 outputs: str = "host", fuse_adamw: str | bool = "auto"):
+                 outputs: str = "host", fuse_adamw: str | bool = "auto", *,
+                 ranges: Mapping[str, tuple[int, int]] | None = None, sink: bool = True):
         self.params = dict(named_params)
         if not self.params:
             raise ChunkedStepError("DeltaRecorder needs at least one parameter")
@@ -267,42 +320,106 @@ class DeltaRecorder:
             raise ChunkedStepError(f"capacity_fraction must be in (0, 1], got {capacity_fraction}")
         self.wire_dtype, self.max_elements = wire_dtype, max_elements
         self._name_of = {id(p): n for n, p in self.params.items()}
-        first = next(iter(self.params.values()))
-        self.device = first.device
-        total = sum(p.numel() for p in self.params.values())
-        chunks = sum(-(-p.numel() // max_elements) for p in self.params.values())
-        largest = min(max_elements, max(p.numel() for p in self.params.values()))
-        self.sink = ChangeSink(max(1, int(total * capacity_fraction)), largest, max(1, chunks), self.device, backend,
-                               outputs, fuse_adamw)
+        self.ranges = {n: (0, p.numel()) for n, p in self.params.items()} if ranges is None else \
+            {n: self._range(n, ranges) for n in self.params}
+        spans = [(n, lo, hi) for n, (lo, hi) in self.ranges.items() if hi > lo]
+        self.device = self.params[spans[0][0] if spans else next(iter(self.params))].device
+        self.sink: ChangeSink | None = None
+        if sink and spans:
+            total = sum(hi - lo for _, lo, hi in spans)
+            # a chunk clamped to its tensor's range: at most one per chunk of the whole tensor
+            chunks = sum(-(-self.params[n].numel() // max_elements) for n, _, _ in spans)
+            largest = min(max_elements, max(hi - lo for _, lo, hi in spans))
+            self.sink = ChangeSink(max(1, int(total * capacity_fraction)), largest, max(1, chunks), self.device,
+                                   backend, outputs, fuse_adamw)
+        self._old: list[torch.Tensor] = []  # without a sink: the update's old wire bits, per chunk
+        self._deltas: list[ChunkDelta] = []  # without a sink: the step's changes, chunk by chunk
+
+    def _range(self, name: str, ranges: Mapping[str, tuple[int, int]]) -> tuple[int, int]:
+        if name not in ranges:
+            raise ChunkedStepError(f"DeltaRecorder ranges: no range for {name}; give one per parameter")
+        lo, hi = (int(x) for x in ranges[name])
+        if not 0 <= lo <= hi <= self.params[name].numel():
+            raise ChunkedStepError(f"DeltaRecorder ranges: {name}: [{lo}, {hi}) is not inside its "
+                                   f"{self.params[name].numel()} elements")
+        return lo, hi
 
     def _dtype(self, p: torch.Tensor) -> torch.dtype:
         return self.wire_dtype if self.wire_dtype is not None and p.is_floating_point() else p.dtype
 
-    def begin_step(self) -> None:
-        self.sink.reset()
-
-    def before(self, chunks: list[Chunk]) -> None:
-        group = self.sink.group([b - a for _, a, b in chunks], [a for _, a, _ in chunks])
-        self.sink.stage(group, [p.detach().view(-1)[a:b] for p, a, b in chunks], self._dtype(chunks[0][0]))
-
     def _names(self, chunks: list[Chunk]) -> list[str]:
         names = [self._name_of.get(id(p)) for p, _, _ in chunks]
         if None in names:
-            raise ChunkedStepError("the optimizer steps a parameter the DeltaRecorder was not given; pass the "
-                                   "same named_parameters() the optimizer holds")
+            raise UnknownParameterError("the optimizer steps a parameter the DeltaRecorder was not given; pass the "
+                                        "same named_parameters() the optimizer holds")
         return names
 
+    def _prepared(self, chunks: list[Chunk]) -> _Prepared | None:
+        """An update's :class:`_Prepared`, or None when it holds no recorded element; kept in the
+        update's cache (:class:`Update`) while its parameters keep their storage."""
+        cache = getattr(chunks, "cache", None)
+        ptrs = tuple(p.data_ptr() for p, _, _ in chunks)
+        hit = cache.get(self) if cache is not None else None
+        if hit is None or hit[0] != ptrs:
+            mine = []
+            for name, (p, a, b) in zip(self._names(chunks), chunks, strict=True):
+                lo, hi = self.ranges[name]
+                if max(a, lo) < min(b, hi):
+                    mine.append((name, p, max(a, lo), min(b, hi)))
+            prepared = None
+            if mine:
+                offsets = [a for _, _, a, _ in mine]
+                group = None if self.sink is None else self.sink.group([b - a for _, _, a, b in mine], offsets)
+                prepared = _Prepared([n for n, _, _, _ in mine], offsets,
+                                     [p.detach().view(-1)[a:b] for _, p, a, b in mine], self._dtype(mine[0][1]),
+                                     group, [(a, b) for _, _, a, b in mine] == [(a, b) for _, a, b in chunks])
+            hit = (ptrs, prepared)
+            if cache is not None:
+                cache[self] = hit
+        return hit[1]
+
+    def begin_step(self) -> None:
+        if self.sink is not None:
+            self.sink.reset()
+        self._old, self._deltas = [], []
+
+    def before(self, chunks: list[Chunk]) -> None:
+        prepared = self._prepared(chunks)
+        if prepared is None:
+            return
+        if self.sink is None:
+            self._old = [wire_bits(t, prepared.dtype).clone() for t in prepared.sources]
+            return
+        self.sink.stage(prepared.group, prepared.sources, prepared.dtype)
+
     def after(self, chunks: list[Chunk]) -> None:
-        group = self.sink.group([b - a for _, a, b in chunks], [a for _, a, _ in chunks])
-        self.sink.append_staged(group, [p.detach().view(-1)[a:b] for p, a, b in chunks], self._dtype(chunks[0][0]),
-                                self._names(chunks))
+        prepared = self._prepared(chunks)
+        if prepared is None:
+            return
+        if self.sink is not None:  # no host sync: the kernels queue behind the update
+            self.sink.append_staged(prepared.group, prepared.sources, prepared.dtype, prepared.names)
+            return
+        for name, a, source, old in zip(prepared.names, prepared.offsets, prepared.sources, self._old, strict=True):
+            new = wire_bits(source, prepared.dtype)
+            idx, new_changed = diff_ref(old, new)
+            if idx.numel():
+                old_changed = old[idx]
+                idx = idx + a  # absolute indices, made once for the delta and both checksums
+                self._deltas.append(ChunkDelta(name, idx, wire_diff(old_changed, new_changed, wire_width(new)),
+                                               checksum_update_ref(idx, old_changed, new_changed),
+                                               checksum2_update_ref(idx, old_changed, new_changed)))
+        self._old = []
 
     def step_adamw(self, chunks: list[Chunk], update: AdamWUpdate) -> bool:
-        group = self.sink.group([b - a for _, a, b in chunks], [a for _, a, _ in chunks])
-        return self.sink.adamw_append(group, update, self._dtype(chunks[0][0]), self._names(chunks))
+        # a fused AdamW update that holds only recorded elements: the sink steps it with the diff inside
+        prepared = self._prepared(chunks)
+        if prepared is None or self.sink is None or not prepared.whole:
+            return False  # part of a chunk is not recorded: staged and diffed after the update
+        return self.sink.adamw_append(prepared.group, update, prepared.dtype, prepared.names)
 
     def end_step(self) -> None:
-        self.sink.finish()
+        if self.sink is not None:
+            self.sink.finish()
 
     def collect(self) -> dict[str, TensorChanges]:
         """Wait for the step's kernels; per tensor, its changes.
@@ -310,6 +427,9 @@ class DeltaRecorder:
         A tensor stepped in one chunk gets views into the sink's reused buffers (valid until the next
         step); one of several chunks gets a concatenated copy.
         """
+        if self.sink is None:
+            raise ChunkedStepError("collect() reads the change sink; a DeltaRecorder made with sink=False (or with "
+                                   "no recorded element) gives the step's changes through collect_deltas()")
         per_name: dict[str, list] = {}
         for chunk in self.sink.collect():
             per_name.setdefault(chunk.key, []).append(chunk)
@@ -325,5 +445,37 @@ class DeltaRecorder:
                                           torch.cat([c.old_C for c in chunks]), total & MASK64)
         return out
 
+    def collect_deltas(self) -> list[ChunkDelta]:
+        """The step's changes as a delta carries them: one :class:`ChunkDelta` per recorded chunk that
+        changed, in the order the step wrote them, in tensors of their own (they stay valid after the
+        next step).
 
-__all__ = ["AdamWUpdate", "ChunkHook", "ChunkedStepError", "DeltaRecorder", "TensorChanges", "Update", "chunked_step"]
+        With the sink: one host sync for the step's kernels, then one signed difference and one index
+        copy for the whole step (per wire width) and the checksum2 changes from the same changes in one
+        pass, sliced per chunk; raises :class:`~rltune.sync.kernels.ChangeCapacityError` when the step
+        changed more than the sink holds. Without: what :meth:`after` found, chunk by chunk.
+        """
+        if self.sink is None:
+            return self._deltas
+        spans = self.sink.collect_spans()
+        idx_all, new_all, old_all = self.sink.step_changes()
+        idx_all = idx_all.clone()  # the sink's buffers are reused by the next step
+        diffs: dict[int, torch.Tensor] = {}
+        # per-change lane values, summed per chunk as differences of a running sum (each value < 2**32,
+        # so the int64 sums are exact)
+        lane_a, lane_b = checksum2_contributions_ref(idx_all, old_all, new_all)
+        cum = torch.stack([lane_a.cumsum(0), lane_b.cumsum(0)]).cpu() if idx_all.numel() else None
+        out = []
+        for name, a, b, change in spans:
+            if b > a:
+                bits = self._dtype(self.params[name]).itemsize * 8
+                if bits not in diffs:
+                    diffs[bits] = wire_diff(old_all, new_all, bits)
+                la = int(cum[0, b - 1]) - (int(cum[0, a - 1]) if a else 0)
+                lb = int(cum[1, b - 1]) - (int(cum[1, a - 1]) if a else 0)
+                out.append(ChunkDelta(name, idx_all[a:b], diffs[bits][a:b], change, checksum2_pack(la % P31, lb % P31)))
+        return out
+
+
+__all__ = ["AdamWUpdate", "ChunkDelta", "ChunkHook", "ChunkedStepError", "DeltaRecorder", "TensorChanges",
+           "UnknownParameterError", "Update", "chunked_step"]

@@ -2,8 +2,9 @@
 
 :func:`rltune.sync.chunked.chunked_step` steps AdamW (``torch.optim.AdamW``/``Adam``, fused or not)
 or :class:`SignSGD` in updates of at most ``chunk_elements`` elements (small parameters together,
-a large one in chunks) and calls a hook around each. :class:`DeltaPublisher` uses the hook to read
-the update's old wire bits just before the write and diff them with the new bits just after, so it
+a large one in chunks) and calls a hook around each. :class:`DeltaPublisher`'s hook is a
+:class:`~rltune.sync.chunked.DeltaRecorder` of this rank's rows (``publisher.recorder``): it reads the
+update's old wire bits just before the write and diffs them with the new bits just after, so it
 never keeps a copy of the weights: with the Triton diff/extract kernels into device memory and one
 host sync at the end of the step (``differ="auto"``, the default, when the weights live on a GPU,
 or ``"triton"``), or with the torch reference (``"torch"``, and ``"auto"`` on CPU weights).
@@ -36,26 +37,16 @@ import hashlib
 import os
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from rltune.errors import RltuneError
 from rltune.sync import codec, store
 from rltune.sync import format as fmt
-from rltune.sync.chunked import DEFAULT_MAX_ELEMENTS, chunked_step
-from rltune.sync.kernels import ChangeCapacityError, ChangeSink, KernelBackendError, checksum_pair
-from rltune.sync.kernels.reference import (
-    MASK64,
-    P31,
-    checksum2_add,
-    checksum2_contributions_ref,
-    checksum2_pack,
-    checksum2_update_ref,
-    checksum_update_ref,
-    diff_ref,
-)
+from rltune.sync.chunked import DEFAULT_MAX_ELEMENTS, DeltaRecorder, UnknownParameterError, chunked_step
+from rltune.sync.kernels import ChangeCapacityError, KernelBackendError, checksum_pair
+from rltune.sync.kernels.reference import MASK64, checksum2_add, diff_ref
 from rltune.sync.ops import wire_bits, wire_diff, wire_width
 
 DEFAULT_CHUNK_ELEMENTS = DEFAULT_MAX_ELEMENTS
@@ -88,17 +79,6 @@ class SignSGD(torch.optim.Optimizer):
         if group["weight_decay"]:
             pc.mul_(1 - group["lr"] * group["weight_decay"])
         pc.add_(torch.sign(grad.reshape(-1)[start:stop]), alpha=-group["lr"])
-
-
-class _PreparedUpdate(NamedTuple):
-    """What the publisher derives from an optimizer update's chunks, kept while they keep their storage."""
-
-    mine: list[tuple[str, torch.Tensor, int, int]]  # the chunks clamped to this rank's range
-    names: list[str]
-    sources: list[torch.Tensor]  # the clamped chunks' flat views
-    dtype: torch.dtype  # their wire dtype
-    group: Any  # the sink's packed group (None with the torch differ)
-    whole: bool  # every chunk is all this rank's
 
 
 class PublisherConfigError(RltuneError):
@@ -189,7 +169,9 @@ class DeltaPublisher:
     ``rank``/``world``: this trainer rank publishes rows ``[rank*R/world, (rank+1)*R/world)`` of each
     tensor (dim 0), as flat element ranges; every rank holds the full tensors (data parallel) and no
     rank gathers another's weights. ``wire_dtype`` casts the weights as sent (fp32 master weights
-    published as bf16); by default each tensor goes in its own dtype.
+    published as bf16); by default each tensor goes in its own dtype. ``recorder``: the
+    :class:`~rltune.sync.chunked.DeltaRecorder` of this rank's rows that :meth:`step` hands to the chunked
+    optimizer step (``recorder.sink``: its change sink, None with the torch differ).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, root: str | Path,
@@ -235,7 +217,6 @@ class DeltaPublisher:
             self.tensors[name] = t
         self.first_names = [n for n in self.names if self.tied_to[n] is None]
         stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        self._name_of_param = {id(self.tensors[n]): n for n in self.first_names}
         self.static_names = [n for n in self.first_names if id(self.tensors[n]) not in stepped]
         self.ranges = {n: self._rank_range(self.tensors[n]) for n in self.names}
         for n in self.names:
@@ -246,9 +227,8 @@ class DeltaPublisher:
         self._checksums: dict[str, int] = {}  # this rank's checksum share per first name, as published
         self._checksums2: dict[str, int] = {}  # and its checksum2 share (packed lanes)
         self._static_copy: dict[str, torch.Tensor] = {}
-        self._pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._update_old: list[torch.Tensor] = []  # torch differ: the update's old wire bits, per chunk
-        self._sink: ChangeSink | None = self._make_sink(stepped)
+        self._pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # this rank's (idx, diff) pieces
+        self.recorder = self._make_recorder(stepped)  # the optimizer step's hook: records this rank's changes
         self._overflow = False  # the step changed more than the sink holds: publish it full
         self._stepped = False
         self._last_step: int | None = None
@@ -258,24 +238,21 @@ class DeltaPublisher:
 
     # -------------------------------------------------------------------------------- helpers
 
-    def _make_sink(self, stepped: set[int]) -> ChangeSink | None:
-        spans = [(n, self.ranges[n]) for n in self.first_names if id(self.tensors[n]) in stepped]
-        spans = [(n, lo, hi) for n, (lo, hi) in spans if hi > lo]
-        if not spans:
-            return None
-        device = self.tensors[spans[0][0]].device
-        one_device = all(self.tensors[n].device == device for n, _, _ in spans)
-        if self.differ == "torch" or (self.differ == "auto" and (device.type != "cuda" or not one_device)):
-            return None
-        if not one_device:
+    def _make_recorder(self, stepped: set[int]) -> DeltaRecorder:
+        named = [(n, self.tensors[n]) for n in self.first_names if id(self.tensors[n]) in stepped]
+        if not named:
+            raise PublisherConfigError("the optimizer steps none of the tensors of the model given to DeltaPublisher; "
+                                       "build the optimizer from that model's parameters")
+        spans = [t for n, t in named if self.ranges[n][1] > self.ranges[n][0]]  # tensors with elements of this rank
+        one_device = all(t.device == spans[0].device for t in spans)
+        sink = bool(spans) and (self.differ == "triton" or (self.differ == "auto" and spans[0].device.type == "cuda"
+                                                            and one_device))
+        if sink and not one_device:
             raise PublisherConfigError("differ='triton' needs every stepped tensor on one device; use differ='torch'")
-        total = sum(hi - lo for _, lo, hi in spans)
-        # a chunk of the step clamped to this rank's range: at most one per chunk of the whole tensor
-        chunks = sum(-(-self.tensors[n].numel() // self.chunk_elements) for n, _, _ in spans)
-        largest = min(self.chunk_elements, max(hi - lo for _, lo, hi in spans))
         try:
-            return ChangeSink(max(1, int(total * self.change_capacity)), largest, chunks, device,
-                              backend="triton", outputs="device", fuse_adamw="auto" if self.fuse_step else False)
+            return DeltaRecorder(named, self.chunk_elements, self.wire_dtype, self.change_capacity, backend="triton",
+                                 outputs="device", fuse_adamw="auto" if self.fuse_step else False,
+                                 ranges={n: self.ranges[n] for n, _ in named}, sink=sink)
         except KernelBackendError:
             raise PublisherConfigError("differ='triton' on CPU weights needs TRITON_INTERPRET=1 in the environment before "
                              "triton is imported; use differ='auto' for the torch reference") from None
@@ -307,118 +284,32 @@ class DeltaPublisher:
 
     # -------------------------------------------------------------------------------- the step
 
-    def _mine(self, chunks: list[tuple[torch.Tensor, int, int]]) -> list[tuple[str, torch.Tensor, int, int]]:
-        """An update's chunks clamped to this rank's range, as (name, param, start, stop); empty ones dropped."""
-        out = []
-        for p, a, b in chunks:
-            name = self._name_of_param.get(id(p))
-            if name is None:
-                raise PublisherConfigError("the optimizer steps a parameter that is not in the model given to DeltaPublisher; "
-                                 "build the optimizer from that model's parameters")
-            lo, hi = self.ranges[name]
-            if max(a, lo) < min(b, hi):
-                out.append((name, p, max(a, lo), min(b, hi)))
-        return out
-
-    def _prepared(self, chunks: list[tuple[torch.Tensor, int, int]]):
-        """An update's :class:`_PreparedUpdate`, or None when it holds none of this rank's elements; kept in the
-        update's cache while its parameters keep their storage."""
-        cache = getattr(chunks, "cache", None)
-        ptrs = tuple(p.data_ptr() for p, _, _ in chunks)
-        hit = cache.get(self) if cache is not None else None
-        if hit is None or hit[0] != ptrs:
-            mine = self._mine(chunks)
-            prepared = None
-            if mine:
-                sources = [p.detach().view(-1)[a:b] for _, p, a, b in mine]
-                group = None if self._sink is None else \
-                    self._sink.group([b - a for _, _, a, b in mine], [a for _, _, a, _ in mine])
-                whole = [(a, b) for _, _, a, b in mine] == [(a, b) for _, a, b in chunks]  # no other rank's part
-                prepared = _PreparedUpdate(mine, [n for n, _, _, _ in mine], sources, self._wire_dtype(mine[0][0]),
-                                           group, whole)
-            hit = (ptrs, prepared)
-            if cache is not None:
-                cache[self] = hit
-        return hit[1]
-
-    def _before_update(self, chunks: list[tuple[torch.Tensor, int, int]]) -> None:
-        prepared = self._prepared(chunks)
-        if prepared is None:
-            return
-        if self._sink is None:
-            self._update_old = [wire_bits(t, prepared.dtype).clone() for t in prepared.sources]
-            return
-        self._sink.stage(prepared.group, prepared.sources, prepared.dtype)
-
-    def _after_update(self, chunks: list[tuple[torch.Tensor, int, int]]) -> None:
-        prepared = self._prepared(chunks)
-        if prepared is None:
-            return
-        if self._sink is not None:  # no host sync: the kernels queue behind the update
-            self._sink.append_staged(prepared.group, prepared.sources, prepared.dtype, prepared.names)
-            return
-        for (name, _, a, _), source, old in zip(prepared.mine, prepared.sources, self._update_old, strict=True):
-            new = wire_bits(source, prepared.dtype)
-            idx, new_changed = diff_ref(old, new)
-            if idx.numel():
-                old_changed = old[idx]
-                self._checksums[name] = (self._checksums[name] + checksum_update_ref(idx + a, old_changed,
-                                                                                     new_changed)) & MASK64
-                self._checksums2[name] = checksum2_add(self._checksums2[name],
-                                                       checksum2_update_ref(idx + a, old_changed, new_changed))
-                self._pending.setdefault(name, []).append((idx + a, wire_diff(old_changed, new_changed,
-                                                                              wire_width(new))))
-        self._update_old = []
-
-    def _step_adamw(self, chunks: list[tuple[torch.Tensor, int, int]], update) -> bool:
-        # a fused AdamW update whose chunks are all this rank's: the sink steps it with the diff inside
-        prepared = self._prepared(chunks)
-        if prepared is None or self._sink is None:
-            return False
-        if not prepared.whole:
-            return False  # part of a chunk is another rank's: staged and diffed after the update
-        return self._sink.adamw_append(prepared.group, update, prepared.dtype, prepared.names)
-
     def step(self) -> None:
         """Run one optimizer step in chunks, recording this rank's changes. Replaces ``optimizer.step()``."""
         if self._last_step is None:
             raise fmt.ChainError("publish the boot checkpoint (publish(0)) before the first optimizer step, so the "
                                  "engines have a base for the first delta")
-        hook = SimpleNamespace(before=self._before_update, after=self._after_update, step_adamw=self._step_adamw)
-        if self._sink is not None:
-            self._sink.reset()
-        chunked_step(self.optimizer, hook, self.chunk_elements)
-        if self._sink is not None:
-            self._take_sink_changes()
+        try:
+            chunked_step(self.optimizer, self.recorder, self.chunk_elements)
+        except UnknownParameterError:
+            raise PublisherConfigError("the optimizer steps a parameter that is not in the model given to DeltaPublisher "
+                                       "(or was not in the optimizer when the publisher was made); build the "
+                                       "optimizer from that model's parameters first") from None
+        self._take_changes()
         self._stepped = True
 
-    def _take_sink_changes(self) -> None:
-        """The step's changes from the sink (one host sync), as the torch path records them per chunk."""
-        self._sink.finish()
+    def _take_changes(self) -> None:
+        """The step's changes from the recorder (with the sink: one host sync), into the running checksums and
+        the changes the next publish writes."""
         try:
-            spans = self._sink.collect_spans()
+            deltas = self.recorder.collect_deltas()
         except ChangeCapacityError:
             self._overflow = True  # the running checksums no longer follow the weights: the publish goes full
             return
-        # One signed difference and one index copy for the whole step (per wire width), sliced per
-        # chunk: copies, since the sink's buffers are reused by the next step.
-        idx_all, new_all, old_all = self._sink.step_changes()
-        idx_all = idx_all.clone()
-        diffs: dict[int, torch.Tensor] = {}
-        # checksum2 from the same changes, in one pass: per-change lane values, summed per chunk as
-        # differences of a running sum (each value < 2**32, so the int64 sums are exact)
-        lane_a, lane_b = checksum2_contributions_ref(idx_all, old_all, new_all)
-        cum = torch.stack([lane_a.cumsum(0), lane_b.cumsum(0)]).cpu() if idx_all.numel() else None
-        for name, a, b, change in spans:
-            if b > a:
-                bits = self._wire_dtype(name).itemsize * 8
-                if bits not in diffs:
-                    diffs[bits] = wire_diff(old_all, new_all, bits)
-                self._checksums[name] = (self._checksums[name] + change) & MASK64
-                la = int(cum[0, b - 1]) - (int(cum[0, a - 1]) if a else 0)
-                lb = int(cum[1, b - 1]) - (int(cum[1, a - 1]) if a else 0)
-                self._checksums2[name] = checksum2_add(self._checksums2[name], checksum2_pack(la % P31, lb % P31))
-                self._pending.setdefault(name, []).append((idx_all[a:b], diffs[bits][a:b]))
+        for d in deltas:
+            self._checksums[d.name] = (self._checksums[d.name] + d.checksum_change) & MASK64
+            self._checksums2[d.name] = checksum2_add(self._checksums2[d.name], d.checksum2_change)
+            self._pending.setdefault(d.name, []).append((d.idx_C, d.diff_C))
 
     # -------------------------------------------------------------------------------- publishing
 

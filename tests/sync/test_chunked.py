@@ -11,7 +11,15 @@ if not torch.cuda.is_available():
 
 from rltune.sync.chunked import ChunkedStepError, DeltaRecorder, chunked_step  # noqa: E402
 from rltune.sync.kernels import ChangeCapacityError  # noqa: E402
-from rltune.sync.kernels.reference import MASK64, as_bits, checksum_ref, diff_extract_ref  # noqa: E402
+from rltune.sync.kernels.reference import (  # noqa: E402
+    MASK64,
+    as_bits,
+    checksum2_add,
+    checksum2_update_ref,
+    checksum_ref,
+    diff_extract_ref,
+)
+from rltune.sync.ops import wire_diff  # noqa: E402
 from rltune.sync.sender import SignSGD  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -131,6 +139,55 @@ def test_recorder_holds_exactly_the_elements_the_step_changed(backend, master):
         assert (checksum_ref(before[name].cpu()) + change) & MASK64 == checksum_ref(after.cpu())
         seen += idx.numel()
     assert seen > 0, "the step changed nothing"
+
+
+@pytest.mark.parametrize("ranges", [False, True])
+def test_recorded_deltas_are_the_steps_changes_with_and_without_the_sink(ranges):
+    # fp32 master weights sent as bf16; with ranges, each tensor's middle elements only (a rank's rows),
+    # so chunks are clamped on both sides; the same deltas from the torch diff without a sink, the
+    # sink's torch reference and its kernels
+    got = {}
+    for mode in ("no sink", "torch", "triton"):
+        model = make_model(torch.float32)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        named = list(model.named_parameters())
+        spans = {n: (p.numel() // 3, p.numel() - p.numel() // 4) if ranges else (0, p.numel()) for n, p in named}
+        rec = DeltaRecorder(named, max_elements=700, wire_dtype=torch.bfloat16, capacity_fraction=1.0,
+                            backend="torch" if mode == "torch" else "triton", ranges=spans if ranges else None,
+                            sink=mode != "no sink")
+        assert (rec.sink is None) == (mode == "no sink")
+        backward(model, seed=1)
+        before = {n: as_bits(p.detach().to(torch.bfloat16)).clone() for n, p in named}
+        chunked_step(opt, rec, max_elements=700)
+        deltas = rec.collect_deltas()
+        assert all(d.idx_C.numel() for d in deltas)  # only chunks that changed
+        per_name = {}
+        for d in deltas:
+            per_name.setdefault(d.name, []).append(d)
+        for name, p in named:
+            lo, hi = spans[name]
+            old, new = before[name][lo:hi].cpu(), as_bits(p.detach().to(torch.bfloat16))[lo:hi].cpu()
+            idx, new_c, old_c, change = diff_extract_ref(old, new, lo)
+            ds = per_name.get(name, [])
+            assert torch.equal(torch.cat([d.idx_C.cpu() for d in ds] or [idx[:0]]), idx), (mode, name)
+            assert torch.equal(torch.cat([d.diff_C.cpu() for d in ds] or [idx[:0]]), wire_diff(old_c, new_c, 16))
+            assert sum(d.checksum_change for d in ds) & MASK64 == change
+            two = 0
+            for d in ds:
+                two = checksum2_add(two, d.checksum2_change)
+            assert two == checksum2_update_ref(idx, old_c, new_c)
+        got[mode] = [(d.name, d.idx_C.cpu(), d.diff_C.cpu()) for d in deltas]
+        if mode == "no sink":
+            with pytest.raises(ChunkedStepError, match="collect_deltas"):
+                rec.collect()
+    assert sum(len(i) for _, i, _ in got["triton"]) > 0
+    for mode in ("torch", "triton"):
+        assert [n for n, _, _ in got[mode]] == [n for n, _, _ in got["no sink"]]
+        assert all(torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]) for a, b in zip(got[mode], got["no sink"], strict=True))
+    with pytest.raises(ChunkedStepError, match="not inside"):
+        DeltaRecorder(named, ranges={n: (0, p.numel() + 1) for n, p in named})
+    with pytest.raises(ChunkedStepError, match="no range"):
+        DeltaRecorder(named, ranges={})
 
 
 def test_recorder_raises_when_the_step_changes_more_than_its_capacity():

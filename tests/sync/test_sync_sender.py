@@ -230,7 +230,7 @@ def test_triton_differ_publishes_the_reference_bytes(tmp_path, optimizer, dtype,
         lr = 1e-5 if optimizer == "adamw" else 1e-3
         tr = Trainer(root, interval=3, optimizer=optimizer, lr=lr, dtype=dtype, wire_dtype=wire_dtype, rank=rank,
                      world=world, differ=differ, change_capacity=1.0, incarnation="i")
-        assert (tr.pub._sink is not None) == (differ == "triton")
+        assert (tr.pub.recorder.sink is not None) == (differ == "triton")
         tr.pub.publish(0)
         kinds = []
         for step in (1, 2, 3):
@@ -255,11 +255,11 @@ def test_fused_adamw_updates_are_stepped_by_the_kernels_and_their_deltas_verify(
     tr = Trainer(tmp_path, interval=3, lr=1e-5, rank=rank, world=world, run_id="fused", differ="triton",
                  change_capacity=1.0, fused=True)
     pub = tr.pub
-    assert not pub._sink.fuse_adamw  # CPU weights: off unless asked for
-    pub._sink.fuse_adamw = True
-    fused, append, staged, stage = [], pub._sink.adamw_append, [], pub._sink.stage
-    pub._sink.adamw_append = lambda *a: fused.append(append(*a)) or fused[-1]
-    pub._sink.stage = lambda *a: staged.append(1) or stage(*a)
+    assert not pub.recorder.sink.fuse_adamw  # CPU weights: off unless asked for
+    pub.recorder.sink.fuse_adamw = True
+    fused, append, staged, stage = [], pub.recorder.sink.adamw_append, [], pub.recorder.sink.stage
+    pub.recorder.sink.adamw_append = lambda *a: fused.append(append(*a)) or fused[-1]
+    pub.recorder.sink.stage = lambda *a: staged.append(1) or stage(*a)
     pub.publish(0)
     kinds = []
     for step in (1, 2, 3):
@@ -358,10 +358,10 @@ def test_a_stepped_parameter_outside_the_model_is_named(tmp_path):
 
 
 def test_differ_choices(tmp_path):
-    assert Trainer(tmp_path / "a", differ="auto").pub._sink is None  # CPU weights: the torch reference
+    assert Trainer(tmp_path / "a", differ="auto").pub.recorder.sink is None  # CPU weights: the torch reference
     model = tiny_qwen3()
     default = DeltaPublisher(model, torch.optim.AdamW(model.parameters()), tmp_path / "b", 3)
-    assert default.differ == "auto" and default._sink is None  # CPU weights: the reference
+    assert default.differ == "auto" and default.recorder.sink is None  # CPU weights: the reference
     with pytest.raises(PublisherConfigError, match="differ must be"):
         Trainer(tmp_path / "c", differ="cuda")
     with pytest.raises(PublisherConfigError, match="change_capacity"):
@@ -371,7 +371,7 @@ def test_differ_choices(tmp_path):
     opt = torch.optim.AdamW(split.parameters())
     with pytest.raises(PublisherConfigError, match="one device"):
         DeltaPublisher(split, opt, tmp_path / "e", 10, differ="triton")
-    assert DeltaPublisher(split, opt, tmp_path / "f", 10, differ="auto")._sink is None
+    assert DeltaPublisher(split, opt, tmp_path / "f", 10, differ="auto").recorder.sink is None
     if os.environ.get("TRITON_INTERPRET") != "1":
         with pytest.raises(PublisherConfigError, match="differ='auto'"):
             Trainer(tmp_path / "g", differ="triton")

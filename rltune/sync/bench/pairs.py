@@ -86,11 +86,12 @@ class BenchTransport:
         self._hook_s = 0.0
         inner = getattr(publisher, "publisher", None)  # the sparse transport's DeltaPublisher
         if inner is not None:
-            # Time the publisher's diff (the delta's cost inside the optimizer step) by wrapping its hooks
-            # and, with the Triton differ, the step's collection of the changes. An update the kernels step
+            # Time the publisher's diff (the delta's cost inside the optimizer step) by wrapping its
+            # recorder's hooks and the step's collection of the changes. An update the kernels step
             # themselves (fused AdamW) counts whole: its AdamW and its diff are one kernel.
-            for attr in ("_before_update", "_after_update", "_step_adamw", "_take_sink_changes"):
-                setattr(inner, attr, self._timed_hook(getattr(inner, attr)))
+            for attr in ("before", "after", "step_adamw", "end_step"):
+                setattr(inner.recorder, attr, self._timed_hook(getattr(inner.recorder, attr)))
+            inner._take_changes = self._timed_hook(inner._take_changes)
 
     def _timed_hook(self, hook: Callable) -> Callable:
         device = self.ctx.trainer_device
