@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             pub = None
             if name != "plain":
                 pub = DeltaPublisher(model, opt, Path(tmp) / name, interval=10**6, run_id="sync-sender-step",
+                                     incarnation="bench",  # the same attempt ids, so the arms' parts compare byte for byte
                                      differ="triton" if name == "staged" else name, change_capacity=0.25,
                                      chunk_elements=args.chunk_elements, fuse_step=name != "staged")
                 pub.publish(0)

@@ -61,13 +61,10 @@ from typing import NamedTuple, Protocol
 import torch
 
 from rltune.errors import RltuneError
-from rltune.sync.kernels import ChangeSink, PackedGroup
+from rltune.sync.kernels import ChangeSink, PackedGroup, checksum2_span_changes
 from rltune.sync.kernels.reference import (
     MASK64,
-    P31,
     adamw_beta_powers,
-    checksum2_contributions_ref,
-    checksum2_pack,
     checksum2_update_ref,
     checksum_update_ref,
     diff_ref,
@@ -461,19 +458,14 @@ class DeltaRecorder:
         idx_all, new_all, old_all = self.sink.step_changes()
         idx_all = idx_all.clone()  # the sink's buffers are reused by the next step
         diffs: dict[int, torch.Tensor] = {}
-        # per-change lane values, summed per chunk as differences of a running sum (each value < 2**32,
-        # so the int64 sums are exact)
-        lane_a, lane_b = checksum2_contributions_ref(idx_all, old_all, new_all)
-        cum = torch.stack([lane_a.cumsum(0), lane_b.cumsum(0)]).cpu() if idx_all.numel() else None
+        changed = [(name, a, b, change) for name, a, b, change in spans if b > a]
+        mixes = checksum2_span_changes(idx_all, old_all, new_all, [(a, b) for _, a, b, _ in changed])
         out = []
-        for name, a, b, change in spans:
-            if b > a:
-                bits = self._dtype(self.params[name]).itemsize * 8
-                if bits not in diffs:
-                    diffs[bits] = wire_diff(old_all, new_all, bits)
-                la = int(cum[0, b - 1]) - (int(cum[0, a - 1]) if a else 0)
-                lb = int(cum[1, b - 1]) - (int(cum[1, a - 1]) if a else 0)
-                out.append(ChunkDelta(name, idx_all[a:b], diffs[bits][a:b], change, checksum2_pack(la % P31, lb % P31)))
+        for (name, a, b, change), mix in zip(changed, mixes, strict=True):
+            bits = self._dtype(self.params[name]).itemsize * 8
+            if bits not in diffs:
+                diffs[bits] = wire_diff(old_all, new_all, bits)
+            out.append(ChunkDelta(name, idx_all[a:b], diffs[bits][a:b], change, mix))
         return out
 
 

@@ -103,6 +103,26 @@ def _checksum2_edge_bits(n: int, width: int) -> torch.Tensor:
     return bits
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_checksum2_span_changes_equal_the_reference_per_span(device):
+    """A step's changes (what DeltaRecorder.collect_deltas holds), split into chunks: each chunk's
+    packed checksum2 change equals checksum2_update_ref of that chunk alone, on the compiled CPU pass
+    and on the GPU's reference path, with positions past 2**32 and bits at the ends of their range."""
+    gen = torch.Generator().manual_seed(5)
+    n = 20_000
+    idx = torch.sort(torch.randint(0, 1 << 34, (n,), generator=gen)).values
+    old = torch.randint(-(1 << 31), 1 << 31, (n,), generator=gen, dtype=torch.int64).to(torch.int32)
+    new = torch.randint(0, 1 << 16, (n,), generator=gen, dtype=torch.int64).to(torch.int32)
+    old[:50], new[:50] = -1, 0            # all-ones bits to zero
+    old[50:100], new[50:100] = 0, -1      # and back
+    new[100:150] = (1 << 31) - 1          # the prime itself
+    spans = [(0, 0), (0, 100), (100, 101), (101, 7000), (7000, 7000), (7000, n)]
+    got = K.checksum2_span_changes(idx.to(device), old.to(device), new.to(device), spans)
+    want = [R.checksum2_update_ref(idx[a:b], old[a:b], new[a:b]) if b > a else 0 for a, b in spans]
+    assert got == want
+    assert K.checksum2_span_changes(idx, old, new, []) == []
+
+
 @pytest.mark.parametrize("width", [16, 32, 8])
 @pytest.mark.parametrize("n", [8191, 8192, 3 * 8192 + 517])  # masked only, one unmasked program, both
 def test_checksum2_at_the_edges_of_its_bounds(n, width):

@@ -43,6 +43,7 @@ from rltune.sync.kernels.reference import (
     apply_deltas_ref,
     as_bits,
     bits_dtype,
+    checksum2_contributions_ref,
     checksum2_pack,
     checksum2_ref,
     checksum_ref,
@@ -132,6 +133,35 @@ def checksum2(t: torch.Tensor, offset: int = 0, backend: str = "auto") -> int:
     bits = _bits(t)
     lanes = _triton().checksum2_partials(bits, offset, _MASK_OF_BITS[bits.dtype]).sum(dim=1).tolist()
     return checksum2_pack(int(lanes[0]) % P31, int(lanes[1]) % P31)
+
+
+def checksum2_span_changes(idx_C: torch.Tensor, old_C: torch.Tensor, new_C: torch.Tensor,
+                           spans: list[tuple[int, int]]) -> list[int]:
+    """The packed checksum2 change of each span ``[a, b)`` of a step's changes (indices, unsigned old
+    and new bits as int32), as ``checksum2_update_ref`` of each span: compiled on CPU tensors, the torch
+    reference's per-change lanes summed by running sums elsewhere."""
+    if not spans:
+        return []
+    if idx_C.device.type == "cpu":
+        try:
+            from rltune.sync.kernels import cpu_kernels
+        except ImportError:
+            pass
+        else:
+            return cpu_kernels.checksum2_span_changes_cpu(idx_C.to(torch.int64).contiguous(),
+                                                          old_C.to(torch.int32).contiguous(),
+                                                          new_C.to(torch.int32).contiguous(), spans)
+    lane_a, lane_b = checksum2_contributions_ref(idx_C, old_C, new_C)
+    cum = torch.stack([lane_a.cumsum(0), lane_b.cumsum(0)]).cpu()  # each value < 2**32: the int64 sums are exact
+    out = []
+    for a, b in spans:
+        if b <= a:
+            out.append(0)
+            continue
+        la = int(cum[0, b - 1]) - (int(cum[0, a - 1]) if a else 0)
+        lb = int(cum[1, b - 1]) - (int(cum[1, a - 1]) if a else 0)
+        out.append(checksum2_pack(la % P31, lb % P31))
+    return out
 
 
 def checksum_pair(t: torch.Tensor, offset: int = 0, backend: str = "auto") -> tuple[int, int]:
@@ -788,6 +818,7 @@ __all__ = [
     "bits_dtype",
     "checksum",
     "checksum2",
+    "checksum2_span_changes",
     "checksum_pair",
     "checksums",
     "diff_extract",

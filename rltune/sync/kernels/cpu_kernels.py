@@ -177,6 +177,38 @@ def checksum2_cpu(bits_N: torch.Tensor, offset: int = 0) -> int:
     return checksum2_pack(int(a), int(b))
 
 
+@numba.njit(cache=True, nogil=True)
+def _span_lanes(idx_C, old_C, new_C, starts, ends, out_a, out_b):
+    # per span [start, end) of changes: the sums of fold(w * d), d = (u_new mod P) + P - (u_old mod P)
+    # in [1, 2P) (w * d < 2**62, a folded term < 2**32), as kernels.reference.checksum2_contributions_ref;
+    # a span of fewer than 2**31 changes sums below 2**63
+    p = np.uint64(_P31)
+    m32 = np.int64(0xFFFFFFFF)
+    for s in range(starts.shape[0]):
+        a = np.uint64(0)
+        b = np.uint64(0)
+        for j in range(starts[s], ends[s]):
+            wa, wb = _weights2(np.uint64(idx_C[j]))
+            d = _mod_p(np.uint64(np.int64(new_C[j]) & m32)) + p - _mod_p(np.uint64(np.int64(old_C[j]) & m32))
+            a += _fold(wa * d)
+            b += _fold(wb * d)
+        out_a[s] = a % p
+        out_b[s] = b % p
+
+
+def checksum2_span_changes_cpu(idx_C: torch.Tensor, old_C: torch.Tensor, new_C: torch.Tensor,
+                               spans: list[tuple[int, int]]) -> list[int]:
+    """The packed checksum2 change of each span ``[a, b)`` of one step's changes (CPU tensors: int64
+    indices, int32 unsigned old and new bits), as :func:`~rltune.sync.kernels.reference.checksum2_update_ref`
+    of each span, in one compiled pass: the reference's int64 temporaries cost ~35-80 ns a change on
+    a two-core machine, a publisher's 3 M changes a step 0.1-0.24 s."""
+    starts = np.array([a for a, _ in spans], dtype=np.int64)
+    ends = np.array([b for _, b in spans], dtype=np.int64)
+    out_a, out_b = np.zeros(len(spans), dtype=np.uint64), np.zeros(len(spans), dtype=np.uint64)
+    _span_lanes(idx_C.numpy(), old_C.numpy(), new_C.numpy(), starts, ends, out_a, out_b)
+    return [(int(a) << 32) | int(b) for a, b in zip(out_a, out_b, strict=True)]
+
+
 _POOL: ThreadPoolExecutor | None = None
 _PARALLEL_MIN_CHANGES = 1 << 16  # below this a second thread costs more than it saves
 
