@@ -121,6 +121,9 @@ def test_checksum2_span_changes_equal_the_reference_per_span(device):
     want = [R.checksum2_update_ref(idx[a:b], old[a:b], new[a:b]) if b > a else 0 for a, b in spans]
     assert got == want
     assert K.checksum2_span_changes(idx, old, new, []) == []
+    old16, new16 = old.to(torch.int16), new.to(torch.int16)  # other bit views take the reference path
+    assert K.checksum2_span_changes(idx, old16, new16, spans[1:2]) == [R.checksum2_update_ref(idx[:100], old16[:100],
+                                                                                             new16[:100])]
 
 
 @pytest.mark.parametrize("width", [16, 32, 8])

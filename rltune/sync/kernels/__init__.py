@@ -142,15 +142,14 @@ def checksum2_span_changes(idx_C: torch.Tensor, old_C: torch.Tensor, new_C: torc
     reference's per-change lanes summed by running sums elsewhere."""
     if not spans:
         return []
-    if idx_C.device.type == "cpu":
+    if idx_C.device.type == "cpu" and old_C.dtype == new_C.dtype == torch.int32:  # a sink's step changes
         try:
             from rltune.sync.kernels import cpu_kernels
         except ImportError:
             pass
         else:
-            return cpu_kernels.checksum2_span_changes_cpu(idx_C.to(torch.int64).contiguous(),
-                                                          old_C.to(torch.int32).contiguous(),
-                                                          new_C.to(torch.int32).contiguous(), spans)
+            return cpu_kernels.checksum2_span_changes_cpu(idx_C.to(torch.int64).contiguous(), old_C.contiguous(),
+                                                          new_C.contiguous(), spans)
     lane_a, lane_b = checksum2_contributions_ref(idx_C, old_C, new_C)
     cum = torch.stack([lane_a.cumsum(0), lane_b.cumsum(0)]).cpu()  # each value < 2**32: the int64 sums are exact
     out = []
