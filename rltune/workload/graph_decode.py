@@ -19,8 +19,10 @@ views of the buffers back after each step, so admission, preemption and row remo
 engine's (:mod:`rltune.workload.engine`).
 
 The step is the HF model's own modules in the same order (norms, projections, rotary embedding,
-scaled-dot-product attention, MLP); the captured graph equals the same step run eagerly bit for
-bit, and an eager step equals HF's forward to float rounding (tests/workload/test_graph_decode.py).
+scaled-dot-product attention, MLP). A graph replayed for a full bucket equals the same step run
+eagerly bit for bit; a partial bucket computes its dead rows too, so its matrix products may
+round differently from an eager batch of the live rows alone; an eager step equals HF's forward to
+float rounding (tests/workload/test_graph_decode.py).
 """
 
 from __future__ import annotations
