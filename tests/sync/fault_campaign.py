@@ -478,10 +478,15 @@ class Case:
     copies: list[Path] = field(default_factory=list)
     backend: Any = TOY
 
+    def scratch(self, label: str) -> Path:
+        """A path of this case's own (nothing there yet), removed when the case ends."""
+        path = self.tmp / f"{label}-{len(self.copies)}"
+        self.copies.append(path)
+        return path
+
     def store(self, name: str = "A") -> Path:
-        root = self.tmp / f"{name}-{len(self.copies)}"
+        root = self.scratch(name)
         shutil.copytree(self.world.stores[name], root, symlinks=True)
-        self.copies.append(root)
         return root
 
     def receiver(self, root: Path, at: int | None = None, manifest: dict | None = None):
@@ -885,8 +890,7 @@ def f_a_dead_rank_summary_is_never_taken_for_the_new_attempts(case: Case) -> Tri
     # two trainer ranks; rank 1 of an incarnation that died wrote its part and summary of step 1 (other
     # weights), its rank 0 never finalized. The new incarnation's rank 0 starts finalizing step 1 before
     # its rank 1 has written: it must wait past the dead summary for rank 1's own
-    root = case.tmp / f"two-ranks-{len(case.copies)}"
-    case.copies.append(root)
+    root = case.scratch("two-ranks")
     dead = Trainer(root, interval=10, rank=1, world=2, run_id="two", incarnation="dead", kv_heads=1, model_kw=MODEL)
     with torch.no_grad():
         for p in dead.model.parameters():
@@ -903,7 +907,10 @@ def f_a_dead_rank_summary_is_never_taken_for_the_new_attempts(case: Case) -> Tri
             done["error"] = e
     thread = threading.Thread(target=rank0, daemon=True)
     thread.start()
-    time.sleep(0.2)  # rank 0 is waiting by now (the outcome must not depend on it)
+    # let rank 0 write its summary and wait for rank 1's (either order must give the new attempt)
+    summary, deadline = step_dir(root, 1) / "rank-00000.json", time.monotonic() + 20
+    while not summary.exists() and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
     new[1].pub.publish(1)
     thread.join(20)
     case.world.states["two", 1] = _snapshot(new[1])
@@ -1008,8 +1015,7 @@ def _trainer_edit(pattern: str, name: str):
     """An edit outside the optimizer step on the trainer that the position-weighted live check cannot
     see: the publish refuses it (checksum2); a full checkpoint then carries it to the engines."""
     def make(case: Case) -> Trial:
-        root = case.tmp / f"trainer-{len(case.copies)}"
-        case.copies.append(root)
+        root = case.scratch("trainer")
         tr = Trainer(root, interval=10, run_id="edit", kv_heads=1, model_kw=MODEL)
         m0 = tr.pub.publish(0)
         engine, rx = case.receiver(root, at=0, manifest=m0)
@@ -1105,8 +1111,7 @@ def _to_fifo(name):
 def _link_outside(name):
     # the very bytes the step needs, through a link that leaves the step directory
     def damage(case, root, d):
-        outside = case.tmp / f"outside-{len(case.copies)}-{name}"
-        case.copies.append(outside)
+        outside = case.scratch(f"outside-{name}")
         shutil.copy(d / name, outside)
         (d / name).unlink()
         os.symlink(outside, d / name)
@@ -1345,9 +1350,8 @@ def _prune_race(when: str):
     def make(case: Case) -> Trial:
         root = case.store("A")
         engine, rx = case.receiver(root) if when != "delta" else case.receiver(root, at=4)
-        saved = case.tmp / f"pruned-{len(case.copies)}"
+        saved = case.scratch("pruned")
         shutil.copytree(root, saved)
-        case.copies.append(saved)
         victims = {"anchor": [3, 4, 5, 6], "delta": [5], "base": [3, 4, 5]}[when]
 
         def prune():
@@ -1383,10 +1387,9 @@ for _when in ("anchor", "delta", "base"):
 def f_base_pruned_before_the_plan_is_a_chain_error(case: Case) -> Trial:
     root = case.store("A")
     engine, rx = case.receiver(root)
-    saved = {s: case.tmp / f"base-{s}-{len(case.copies)}" for s in (3,)}
+    saved = {s: case.scratch(f"base-{s}") for s in (3,)}
     for s, p in saved.items():
         shutil.copytree(step_dir(root, s), p)
-        case.copies.append(p)
         shutil.rmtree(step_dir(root, s))
 
     def repair():
@@ -1458,12 +1461,11 @@ def f_a_step_that_completes_while_the_engine_waits_is_applied(case: Case) -> Tri
     for s in (9, 10):
         shutil.rmtree(step_dir(root, s))
     engine, rx = case.receiver(root, at=8)
-    staging = case.tmp / f"staging-{len(case.copies)}"
-    case.copies.append(staging)
+    staging = case.scratch("staging")
     shutil.copytree(step_dir(case.world.stores["A+"], 9), staging)
 
     def finish_later():
-        time.sleep(0.3)
+        time.sleep(0.3)  # most likely after the engine began to wait; applied the same if it lands first
         d = step_dir(root, 9)
         d.mkdir()
         for n in sorted(os.listdir(staging), key=lambda n: n == fmt.COMPLETE_NAME):  # the marker last
@@ -1493,8 +1495,7 @@ def _symlinked_step(where: str):
         root = case.store("A")
         engine, rx = case.receiver(root, at=5)
         d = step_dir(root, 6)
-        moved = case.tmp / f"moved-{len(case.copies)}"
-        case.copies.append(moved)
+        moved = case.scratch("moved")
         if where == "outside":
             shutil.move(d, moved)
             os.symlink(moved, d)
@@ -1532,8 +1533,7 @@ def f_a_symlinked_step_inside_the_root_is_followed(case: Case) -> Trial:
 @fault("store")
 def f_a_stale_cached_listing_is_revalidated(case: Case) -> Trial:
     root = case.store("A+")
-    saved = case.tmp / f"later-{len(case.copies)}"
-    case.copies.append(saved)
+    saved = case.scratch("later")
     shutil.move(step_dir(root, 9), saved)
     shutil.rmtree(step_dir(root, 10))
     engine, rx = case.receiver(root, at=8)
@@ -1547,8 +1547,7 @@ def f_a_step_removed_under_a_cached_manifest_is_not_trusted(case: Case) -> Trial
     root = case.store("A")
     engine, rx = case.receiver(root, at=5)
     rx.store.manifest(6)
-    saved = case.tmp / f"gone-{len(case.copies)}"
-    case.copies.append(saved)
+    saved = case.scratch("gone")
     shutil.move(step_dir(root, 6), saved)
 
     def repair():
@@ -1561,8 +1560,7 @@ def f_a_step_removed_under_a_cached_manifest_is_not_trusted(case: Case) -> Trial
 def f_the_broadcast_root_itself_is_missing(case: Case) -> Trial:
     root = case.store("A")
     engine, rx = case.receiver(root, at=5)
-    moved = case.tmp / f"root-{len(case.copies)}"
-    case.copies.append(moved)
+    moved = case.scratch("root")
     shutil.move(root, moved)
 
     def repair():
