@@ -95,12 +95,18 @@ def random_changes(numels: list[int], fraction: float, device: torch.device, see
     return idx, torch.cat(global_parts), torch.tensor(offsets, device=device), vals
 
 
-def bench_apply(dev, timer, total, tensors, fractions) -> list[dict]:
+def apply_setup(dev, total: int, tensors: int):
+    """``tensors`` equal bf16 parameters of ``total`` elements in one flat buffer, and the apply plan of them:
+    (elements per tensor, the flat buffer, the parameters' bits, the plan, each entry's tensor)."""
     per = total // tensors
     flat = torch.randn(per * tensors, device=dev).to(torch.bfloat16)
     params = list(as_bits(flat).view(tensors, per).unbind(0))
     plan = K.ApplyPlan(params, [K.strided_layout(t, [per]) for t in range(tensors)])
-    entry_tensor = torch.arange(tensors, device=dev)
+    return per, flat, params, plan, torch.arange(tensors, device=dev)
+
+
+def bench_apply(dev, timer, total, tensors, fractions) -> list[dict]:
+    per, flat, params, plan, entry_tensor = apply_setup(dev, total, tensors)
     flat_bits = as_bits(flat)
     out = []
     for fraction in fractions:
@@ -153,11 +159,7 @@ def bench_verify2(dev, timer, total, tensors, fractions) -> dict:
     """
     from rltune.sync.kernels import reference as R
 
-    per = total // tensors
-    flat = torch.randn(per * tensors, device=dev).to(torch.bfloat16)
-    params = list(as_bits(flat).view(tensors, per).unbind(0))
-    plan = K.ApplyPlan(params, [K.strided_layout(t, [per]) for t in range(tensors)])
-    entry_tensor = torch.arange(tensors, device=dev)
+    per, flat, params, plan, entry_tensor = apply_setup(dev, total, tensors)
     flat_bits = as_bits(flat)
     rows = []
     for fraction in fractions:
