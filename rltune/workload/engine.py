@@ -175,15 +175,7 @@ class Engine:
         while True:
             if os.getppid() != self.parent_pid:
                 return  # the orchestrator was killed: an orphaned engine would generate on for nobody
-            idle = not self.running and not self.waiting
-            messages = []
-            try:
-                messages.append(in_queue.get(timeout=0.5) if idle else in_queue.get_nowait())
-                while True:
-                    messages.append(in_queue.get_nowait())
-            except queue.Empty:
-                pass
-            for msg in messages:
+            for msg in drain(in_queue, wait=not self.running and not self.waiting):
                 if msg[0] == "stop":
                     # Release tensors shared by the trainer (CUDA IPC) before the process ends.
                     if self.s.loader is not None:
@@ -421,6 +413,18 @@ class Engine:
         self.counters["decode_s"] += time.perf_counter() - start
         self.counters["forward_steps"] += 1
         self._sample_and_advance(logits, rows=list(range(batch)))
+
+
+def drain(in_queue, wait: bool) -> list:
+    """Every message waiting in an engine's queue; an idle engine (``wait``) first waits up to 0.5 s for one."""
+    messages = []
+    try:
+        messages.append(in_queue.get(timeout=0.5) if wait else in_queue.get_nowait())
+        while True:
+            messages.append(in_queue.get_nowait())
+    except queue.Empty:
+        pass
+    return messages
 
 
 def _output_cache(out):

@@ -50,7 +50,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import queue
 import threading
 import time
 import traceback
@@ -59,6 +58,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rltune.errors import RltuneError, UnknownKeyError, WrongTypeError
+from rltune.workload.engine import drain
 
 if TYPE_CHECKING:
     from rltune.workload.config import WorkloadConfig
@@ -432,14 +432,7 @@ class _Base:
             if os.getppid() != self.parent_pid:
                 self.close()
                 return
-            messages = []
-            try:
-                messages.append(in_queue.get(timeout=0.5) if self.idle() else in_queue.get_nowait())
-                while True:
-                    messages.append(in_queue.get_nowait())
-            except queue.Empty:
-                pass
-            for msg in messages:
+            for msg in drain(in_queue, wait=self.idle()):
                 if msg[0] == "stop":
                     self.close()
                     return
