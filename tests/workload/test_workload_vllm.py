@@ -118,7 +118,13 @@ def test_tool_use_in_fully_async_mode_on_vllm_keeps_sample_age_within_the_cap(tm
     for rec in recs:
         assert rec["sandbox_setup_s"] > 0 and rec["sandbox_exec_s"] > 0
         assert 1 < rec["turns_mean"] <= 2
-        assert 0 < rec["kv_cache_usage"] <= 1 and rec["engine_decode_s"] > 0
+        assert 0 < rec["kv_cache_usage"] <= 1
+        # A fully async step's engine columns cover the time since the previous record: vLLM may have
+        # finished no request in it (the batch was generated earlier), and then there is no mean to give.
+        assert ("engine_decode_s" in rec) is (rec["engine_requests"] > 0)
+        assert rec.get("engine_decode_s", 1.0) > 0
+    # Every request of a trained trial finished before its step was recorded, so vLLM counted it.
+    assert sum(r["engine_requests"] for r in recs) >= round(sum(r["turns_mean"] * r["trials_total"] for r in recs))
     assert set(Path("/tmp").glob("rltune-sandboxes-*")) == before
 
 
