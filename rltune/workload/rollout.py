@@ -57,7 +57,7 @@ class EngineClient:
         self._closing = False
         ready = 0
         while ready < num_engines:
-            msg = self._get(start_timeout_s - (time.perf_counter() - start))
+            msg = self._wait_start(start + start_timeout_s)
             if msg[0] == "ready":
                 ready += 1
             elif msg[0] == "error":
@@ -68,14 +68,26 @@ class EngineClient:
         self._thread = threading.Thread(target=self._dispatch, name="rltune-engine-dispatch", daemon=True)
         self._thread.start()
 
-    def _get(self, timeout: float):
+    def _wait_start(self, deadline: float):
+        """The next start-up message; an engine process that exits first, or the deadline, ends the wait."""
         import queue
 
-        try:
-            return self.out_queue.get(timeout=max(0.1, timeout))
-        except queue.Empty:
-            dead = [p.name for p in self.processes if not p.is_alive()]
-            raise EngineError(f"engines did not answer in time (dead: {dead or 'none'}); see stderr") from None
+        while True:
+            try:
+                return self.out_queue.get(timeout=0.5)
+            except queue.Empty:
+                pass
+            dead = [p for p in self.processes if not p.is_alive()]
+            if dead or time.perf_counter() > deadline:
+                self.close()
+            if dead:
+                codes = ", ".join(f"{p.name}: " + (f"killed by signal {-p.exitcode}" if p.exitcode < 0 else
+                                                   f"exit code {p.exitcode}") for p in dead)
+                raise EngineError(f"engine process exited before it was ready ({codes}); its error is on stderr. "
+                                  "A script that starts a run without `if __name__ == \"__main__\":` ends this way "
+                                  "(engines are spawned and import it again)") from None
+            if time.perf_counter() > deadline:
+                raise EngineError("engines did not start in time; see stderr") from None
 
     def _dispatch(self) -> None:
         import queue

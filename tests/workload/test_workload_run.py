@@ -118,6 +118,21 @@ def test_a_batch_cut_off_entirely_is_a_clear_error(tmp_path):
         workload.run(TINY_MATH, tmp_path, steps=1, overrides=[*FAST, "env.trial_timeout_s=0.01"])
 
 
+def test_a_script_without_a_main_guard_fails_at_once_naming_the_engine_and_the_fix(tmp_path):
+    # Engines are spawned, so each imports the script again and dies before it is ready; the run
+    # must say so at once instead of waiting out the start-up timeout.
+    script = tmp_path / "job.py"
+    script.write_text("import rltune.workload as workload\n"
+                      f"workload.run({str(TINY_MATH)!r}, {str(tmp_path / 'run')!r}, steps=1)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "engine process exited before it was ready (rltune-engine-0: exit code 1)" in last, proc.stderr[-2000:]
+    assert 'if __name__ == "__main__":' in last
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
 @pytest.mark.slow
 def test_torchrun_with_two_ranks_trains_with_ddp(tmp_path):
     metrics = workload.run(TINY_MATH, tmp_path, steps=2,
