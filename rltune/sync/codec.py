@@ -7,6 +7,12 @@ zigzagged value differences are rANS-coded with the block's own static frequency
 decoder needs. A tensor whose changed fraction makes a *dense* stream (a value for every element,
 no positions) smaller goes dense.
 
+A *plain* stream (``mode="plain"``) is the same changes without entropy coding: each change's
+position as a fixed-width offset and its difference as a ``bits``-wide integer, ~6 B a change for
+bf16 against ~2-2.5 B, written and read at memory speed instead of ~30 ns a change each way. It is
+for engines on the trainer's host, where the bytes sit in the page cache and the coder's time is
+the whole cost.
+
 The coder loops run under numba (``@njit(cache=True, nogil=True)``); the block framing is plain Python.
 Because blocks are independent and the coder releases the GIL, :func:`encode_many` encodes the
 blocks of many tensors on a thread pool (``RLTUNE_ENCODE_THREADS``, default: the CPUs this process
@@ -38,6 +44,8 @@ from rltune.sync.format import CodecError
 
 MODE_SPARSE = 1
 MODE_DENSE = 2
+MODE_PLAIN = 3
+MODES = ("auto", "sparse", "dense", "plain")
 BLOCK_CHANGES = 65536
 MAX_LANES = 32
 SYMBOLS_PER_LANE = 2048  # fewer lanes for small blocks, so lane headers stay negligible
@@ -352,6 +360,8 @@ def _encode_block(first: int, gaps: np.ndarray | None, zz: np.ndarray) -> bytes:
 
 
 def _block_bytes(task: tuple) -> bytes:
+    if task[0] == MODE_PLAIN:
+        return task[1]
     mode, idx_seg, zz_seg, first = task
     if mode == MODE_SPARSE:
         return _encode_block(int(idx_seg[0]), np.diff(idx_seg) - 1, zz_seg)
@@ -359,16 +369,34 @@ def _block_bytes(task: tuple) -> bytes:
 
 
 def _frame(mode: int, bits: int, start: int, stop: int, n: int, blocks: list[bytes]) -> bytes:
+    if mode == MODE_PLAIN:
+        return blocks[0]  # framed already
     offsets = np.zeros(len(blocks) + 1, dtype="<u8")
     offsets[1:] = np.cumsum([len(b) for b in blocks])
     return b"".join([_STREAM.pack(mode, bits, 0, len(blocks), n, start, stop), offsets.tobytes(), *blocks])
 
 
+def _plain_index_dtype(start: int, stop: int) -> str:
+    """A plain stream's offset width: u32 while the range fits, else u64 (the reader derives the same)."""
+    return "<u4" if stop - start <= 1 << 32 else "<u8"
+
+
+def _plain_stream(idx: np.ndarray, diff: np.ndarray, bits: int, start: int, stop: int) -> bytes:
+    offsets = (idx - start).astype(_plain_index_dtype(start, stop))
+    values = diff.astype(f"<i{bits // 8}")
+    return b"".join([_STREAM.pack(MODE_PLAIN, bits, 0, 0, idx.shape[0], start, stop), offsets.tobytes(), values.tobytes()])
+
+
 def _plan_stream(idx: np.ndarray, diff: np.ndarray, bits: int, start: int, stop: int,
                  mode: str) -> tuple[tuple[int, int, int, int, int], list[tuple]]:
-    """Check one range's changes and cut them into block tasks; returns (frame header args, tasks)."""
+    """Check one range's changes and cut them into block tasks; returns (frame header args, tasks).
+
+    A plain stream is one task: ``(MODE_PLAIN, its bytes)``.
+    """
     if bits not in (8, 16, 32):
         raise ValueError(f"bits must be 8, 16 or 32, got {bits}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     idx = np.ascontiguousarray(idx, dtype=np.int64)
     diff = np.ascontiguousarray(diff, dtype=np.int64)
     if idx.shape != diff.shape or idx.ndim != 1 or idx.shape[0] == 0:
@@ -378,6 +406,8 @@ def _plan_stream(idx: np.ndarray, diff: np.ndarray, bits: int, start: int, stop:
     lim = 1 << (bits - 1)
     if np.any(diff == 0) or diff.min() < -lim or diff.max() >= lim:
         raise ValueError(f"differences must be non-zero and inside [-2^{bits - 1}, 2^{bits - 1})")
+    if mode == "plain":
+        return (MODE_PLAIN, bits, start, stop, idx.shape[0]), [(MODE_PLAIN, _plain_stream(idx, diff, bits, start, stop))]
     zz = zigzag(diff)
     if mode == "auto":
         mode = "dense" if _dense_is_smaller(idx, zz, stop - start) else "sparse"
@@ -398,7 +428,8 @@ def encode(idx: np.ndarray, diff: np.ndarray, bits: int, start: int, stop: int, 
 
     ``idx``: ascending unique int64 flat indices inside the range; ``diff``: the signed wire-bit
     difference ``new - old`` of each (``rltune.sync.ops.wire_diff``). ``mode``: "sparse", "dense" or
-    "auto" (the smaller of the two when the changed fraction makes dense plausible).
+    "auto" (the smaller of the two when the changed fraction makes dense plausible), all entropy
+    coded; or "plain" (fixed-width positions and values, no coder).
     """
     header, tasks = _plan_stream(idx, diff, bits, start, stop, mode)
     return _frame(*header, [_block_bytes(t) for t in tasks])
@@ -485,7 +516,7 @@ def decode(data: bytes | memoryview, start: int, stop: int, bits: int | None = N
     if len(data) < _STREAM.size:
         raise CodecError(f"stream of {len(data)} bytes is shorter than its {_STREAM.size}-byte header")
     mode, wbits, reserved, n_blocks, n_changes, s_start, s_stop = _STREAM.unpack_from(data, 0)
-    if mode not in (MODE_SPARSE, MODE_DENSE) or wbits not in (8, 16, 32) or reserved != 0:
+    if mode not in (MODE_SPARSE, MODE_DENSE, MODE_PLAIN) or wbits not in (8, 16, 32) or reserved != 0:
         raise CodecError(f"stream header: mode {mode}, bits {wbits}, reserved {reserved} invalid")
     if bits is not None and wbits != bits:
         raise CodecError(f"stream codes {wbits}-bit values, the tensor has {bits}-bit elements")
@@ -493,6 +524,8 @@ def decode(data: bytes | memoryview, start: int, stop: int, bits: int | None = N
         raise CodecError(f"stream covers [{s_start}, {s_stop}), its entry says [{start}, {stop})")
     if n_changes == 0 or n_changes > stop - start or (mode == MODE_DENSE and n_changes != stop - start):
         raise CodecError(f"stream holds {n_changes} values for range [{start}, {stop}) (mode {mode})")
+    if mode == MODE_PLAIN:
+        return _decode_plain(data, wbits, n_blocks, n_changes, start, stop)
     if n_blocks != -(-n_changes // BLOCK_CHANGES):
         raise CodecError(f"{n_blocks} blocks cannot hold {n_changes} values")
     table_end = _STREAM.size + 8 * (n_blocks + 1)
@@ -519,6 +552,23 @@ def decode(data: bytes | memoryview, start: int, stop: int, bits: int | None = N
         raise CodecError("dense blocks do not tile the range in order")
     nz = np.nonzero(zz)[0]
     return idx[nz], unzigzag(zz[nz])
+
+
+def _decode_plain(data: memoryview, bits: int, n_blocks: int, n: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+    index_dtype = np.dtype(_plain_index_dtype(start, stop))
+    value_bytes = bits // 8
+    expect = _STREAM.size + n * (index_dtype.itemsize + value_bytes)
+    if n_blocks != 0 or len(data) != expect:
+        raise CodecError(f"plain stream of {n} changes must be {expect} bytes with 0 blocks, "
+                         f"got {len(data)} bytes and {n_blocks} blocks")
+    values_at = _STREAM.size + n * index_dtype.itemsize
+    offsets = np.frombuffer(data[_STREAM.size:values_at], dtype=index_dtype).astype(np.int64)
+    diff = np.frombuffer(data[values_at:], dtype=f"<i{value_bytes}").astype(np.int64)
+    if offsets[-1] >= stop - start or (n > 1 and np.any(offsets[1:] <= offsets[:-1])):
+        raise CodecError(f"plain stream positions are not ascending inside [{start}, {stop})")
+    if not diff.all():
+        raise CodecError("plain stream holds a zero difference (a change that changes nothing)")
+    return offsets + start, diff
 
 
 def _decode_block(block: memoryview, mode: int, start: int, stop: int, idx_out: np.ndarray,

@@ -36,7 +36,7 @@ def changes(draw):
 
 
 @settings(max_examples=60, deadline=None)
-@given(changes(), st.sampled_from(["auto", "sparse", "dense"]))
+@given(changes(), st.sampled_from(["auto", "sparse", "dense", "plain"]))
 def test_round_trip_is_exact_for_any_changes(case, mode):
     _roundtrip(*case, mode=mode)
 
@@ -82,6 +82,45 @@ GOLDEN = ("011000000100000003000000000000000000000000000000100000000000000000000
           "020000000000000001010f0500ac55aa5500aa55010000001c0000000004000000ae32820d")
 
 
+def test_golden_bytes_of_a_small_plain_stream():
+    blob = codec.encode(np.array([2, 3, 10], np.int64), np.array([1, -1, 2], np.int64), 16, 0, 16, mode="plain")
+    header = "03100000" "00000000" "0300000000000000" "0000000000000000" "1000000000000000"
+    assert blob.hex() == header + "02000000" "03000000" "0a000000" + "0100" "ffff" "0200"
+
+
+@pytest.mark.parametrize("bits", [8, 16, 32])
+def test_a_plain_stream_is_fixed_width_and_takes_u64_offsets_only_past_a_u32_range(bits):
+    lim = 1 << (bits - 1)
+    idx, diff = np.array([0, 7, 2**32 - 1], np.int64), np.array([-lim, lim - 1, 1], np.int64)
+    assert len(_roundtrip(idx, diff, bits, 0, 2**32, mode="plain")) == 32 + 3 * (4 + bits // 8)
+    far = np.array([5, 2**32 + 5], np.int64)  # no buffer the size of the range is made either way
+    assert len(_roundtrip(far, diff[:2], bits, 0, 2**33, mode="plain")) == 32 + 2 * (8 + bits // 8)
+
+
+def test_decode_refuses_a_damaged_plain_stream():
+    blob = bytearray(codec.encode(np.array([1, 5, 9], np.int64), np.array([1, 2, -3], np.int64), 16, 0, 10, mode="plain"))
+    values_at, offsets_at = 32 + 12, 32
+
+    def refused(data: bytes, match: str) -> None:
+        with pytest.raises(CodecError, match=match):
+            codec.decode(data, 0, 10, bits=16)
+
+    for cut in (10, 32, len(blob) - 1):
+        refused(bytes(blob[:cut]), "shorter than|must be")
+    refused(bytes(blob) + b"\0", "must be 50 bytes")
+    blocks = bytearray(blob)
+    blocks[4] = 1
+    refused(bytes(blocks), "0 blocks")
+    inflated = bytearray(blob)
+    inflated[8:16] = (2**40).to_bytes(8, "little")
+    refused(bytes(inflated), "values for range")
+    for at, value, match in ((offsets_at + 4, 1, "ascending"), (offsets_at + 8, 10, "ascending"),
+                             (values_at + 2, 0, "zero difference")):
+        bad = bytearray(blob)
+        bad[at:at + 2] = value.to_bytes(2, "little")
+        refused(bytes(bad), match)
+
+
 def test_near_entropy_on_bernoulli_positions_and_geometric_values():
     rng = np.random.default_rng(3)
     n = 2_000_000
@@ -124,10 +163,11 @@ def test_decode_refuses_truncated_mislabelled_and_inflated_streams():
         codec.decode(bytes(inflated), 0, 10)
 
 
-def test_every_single_byte_flip_is_refused_or_changes_the_output():
+@pytest.mark.parametrize("mode", ["auto", "plain"])
+def test_every_single_byte_flip_is_refused_or_changes_the_output(mode):
     idx = np.array([1, 5, 9, 200, 201], np.int64)
     diff = np.array([1, 2, -3, 100, -1], np.int64)
-    blob = codec.encode(idx, diff, 16, 0, 300)
+    blob = codec.encode(idx, diff, 16, 0, 300, mode=mode)
     silent = 0
     for pos in range(len(blob)):
         bad = bytearray(blob)
@@ -154,8 +194,10 @@ def test_encode_many_gives_encode_bytes_for_every_job_on_any_thread_count(monkey
         jobs.append((idx, diff, bits, 100, 100 + numel))
     want = [codec.encode(*job) for job in jobs]
     assert codec.decode(want[3], 100, 80100, 32)[0].shape[0] == 70000  # dense-or-sparse, several blocks
+    plain = [codec.encode(*job, mode="plain") for job in jobs]
     for threads in (1, 2, 7):
         assert codec.encode_many(jobs, threads=threads) == want
+        assert codec.encode_many(jobs, threads=threads, mode="plain") == plain
     monkeypatch.setenv("RLTUNE_ENCODE_THREADS", "3")
     assert codec.encode_threads() == 3 and codec.encode_many(jobs) == want
     assert codec.encode_many([]) == []
