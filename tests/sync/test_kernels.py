@@ -184,6 +184,23 @@ def test_the_compiled_cpu_checksums_equal_the_references(n, width):
     assert checksum2_cpu(full, (1 << 40) - 5) == R.checksum2_ref(full, (1 << 40) - 5)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_checksum_pairs_of_many_tensors_equal_the_references_on_one_or_two_threads(threads):
+    from rltune.sync.kernels.cpu_kernels import checksum_pairs_cpu
+
+    # mixed widths and offsets, enough elements (> 2**20) that two threads split them
+    tensors = [random_bits(n, width, seed=n + width, device="cpu")
+               for n, width in ((700_000, 16), (1, 32), (400_000, 32), (5, 8), (300_001, 16), (0, 16))]
+    offsets = [0, (1 << 32) - 1, 12345, (1 << 62) + 11, 7, 3]
+    want = [(R.checksum_ref(t, o), R.checksum2_ref(t, o)) for t, o in zip(tensors, offsets, strict=True)]
+    assert checksum_pairs_cpu(tensors, offsets, threads=threads) == want
+    assert K.checksum_pairs(tensors, offsets) == want == [K.checksum_pair(t, o) for t, o in zip(tensors, offsets, strict=True)]
+    floats = [torch.randn(999, dtype=torch.bfloat16), torch.randn(3, 5)]  # float tensors by their wire bits
+    assert K.checksum_pairs(floats, [0, 9]) == [(R.checksum_ref(R.as_bits(f), o), R.checksum2_ref(R.as_bits(f), o))
+                                                for f, o in zip(floats, [0, 9], strict=True)]
+    assert K.checksum_pairs([], []) == []
+
+
 def test_checksum_of_a_float_tensor_uses_its_wire_bits():
     t = torch.randn(3000, dtype=torch.bfloat16).to(DEVICE)
     assert K.checksum(t, backend="triton") == R.checksum_ref(R.as_bits(t.cpu()))

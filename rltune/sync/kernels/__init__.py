@@ -166,7 +166,22 @@ def checksum2_span_changes(idx_C: torch.Tensor, old_C: torch.Tensor, new_C: torc
 def checksum_pair(t: torch.Tensor, offset: int = 0, backend: str = "auto") -> tuple[int, int]:
     """(checksum, checksum2) of a tensor's wire bits: what a holder of elements ``[offset, offset + N)``
     publishes or verifies as its share."""
-    return checksum(t, offset, backend), checksum2(t, offset, backend)
+    return checksum_pairs([t], [offset], backend)[0]
+
+
+def checksum_pairs(tensors: list[torch.Tensor], offsets: list[int], backend: str = "auto") -> list[tuple[int, int]]:
+    """:func:`checksum_pair` of each tensor (its elements start at the matching offset). CPU bits go
+    through one compiled pass each, split over two threads (``cpu_kernels.checksum_pairs_cpu``)."""
+    bits = [_bits(t) for t in tensors]
+    on_cpu = all(b.device.type == "cpu" and b.dtype in (torch.int16, torch.int32, torch.uint8) for b in bits)
+    if on_cpu and not (bits and _use_triton(bits[0].device, backend)):
+        try:
+            from rltune.sync.kernels import cpu_kernels
+        except ImportError:
+            pass
+        else:
+            return cpu_kernels.checksum_pairs_cpu([b.contiguous() for b in bits], list(offsets))
+    return [(checksum(b, o, backend), checksum2(b, o, backend)) for b, o in zip(bits, offsets, strict=True)]
 
 
 def checksums(tensors: list[torch.Tensor], backend: str = "auto") -> list[int]:
@@ -819,6 +834,7 @@ __all__ = [
     "checksum2",
     "checksum2_span_changes",
     "checksum_pair",
+    "checksum_pairs",
     "checksums",
     "diff_extract",
     "layouts_from_index_map",

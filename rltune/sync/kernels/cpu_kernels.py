@@ -122,19 +122,21 @@ _CHECKSUM2_RUN = 1 << 16  # elements summed unreduced: 2**16 terms below 2**46 s
 
 
 @numba.njit(cache=True, nogil=True)
-def _checksum2_lanes(bits_N, offset, mask):
-    # checksum2's two lanes (kernels.reference.checksum2_ref). A remainder per element made one long
-    # dependency chain of the sum; instead the terms w * u of a run are summed as they are (below 2**46
-    # for elements of 16 bits or fewer; 32-bit ones, below 2**62, folded below 2**32 first) and each
-    # run's sums reduced mod P once.
+def _pair_lanes(bits_N, offset, mask):
+    # checksum (mod 2**64) and checksum2's two lanes (kernels.reference) in one pass. A remainder per
+    # element made one long dependency chain of the sum; instead the terms w * u of a run are summed
+    # as they are (below 2**46 for elements of 16 bits or fewer; 32-bit ones, below 2**62, folded
+    # below 2**32 first) and each run's sums reduced mod P once.
     p = np.uint64(_P31)
-    a, b = np.uint64(0), np.uint64(0)
+    c, a, b = np.uint64(0), np.uint64(0), np.uint64(0)
     n = bits_N.shape[0]
     for start in range(0, n, _CHECKSUM2_RUN):
         run_a, run_b = np.uint64(0), np.uint64(0)
         for k in range(start, min(start + _CHECKSUM2_RUN, n)):
-            wa, wb = _weights2(np.uint64(offset + k))
+            i = np.uint64(offset + k)
+            wa, wb = _weights2(i)
             u = np.uint64(np.int64(bits_N[k]) & mask)  # congruent to u mod P, all a lane needs
+            c += (i + np.uint64(1)) * u
             if mask > 0xFFFF:
                 run_a += _fold(wa * u)
                 run_b += _fold(wb * u)
@@ -143,7 +145,7 @@ def _checksum2_lanes(bits_N, offset, mask):
                 run_b += wb * u
         a = (a + run_a % p) % p
         b = (b + run_b % p) % p
-    return a, b
+    return c, a, b
 
 
 _MASKS = {np.dtype("int16"): 0xFFFF, np.dtype("int32"): 0xFFFFFFFF, np.dtype("uint8"): 0xFF}
@@ -157,24 +159,43 @@ def checksum_cpu(bits_N: torch.Tensor, offset: int = 0) -> int:
     the bits once and sums modulo 2^64 in uint64 (~0.2 ns an element). Equal to the reference bit
     for bit (tests/sync/test_kernels.py).
     """
+    view, mask = _view_and_mask(bits_N, "checksum_cpu")
+    return int(_checksum_bits(view, int(offset), mask))
+
+
+def _view_and_mask(bits_N: torch.Tensor, caller: str) -> tuple[np.ndarray, int]:
     view = bits_N.reshape(-1).numpy()
     mask = _MASKS.get(view.dtype)
     if mask is None:
-        raise TypeError(f"checksum_cpu takes int16, int32 or uint8 bits, not {view.dtype}")
-    return int(_checksum_bits(view, int(offset), mask))
+        raise TypeError(f"{caller} takes int16, int32 or uint8 bits, not {view.dtype}")
+    return view, mask
 
 
 def checksum2_cpu(bits_N: torch.Tensor, offset: int = 0) -> int:
     """:func:`~rltune.sync.kernels.reference.checksum2_ref` in one compiled pass over a CPU bits tensor
     (the reference's int64 temporaries cost as much as the position-weighted sum's)."""
+    return checksum_pairs_cpu([bits_N], [offset], threads=1)[0][1]
+
+
+def checksum_pairs_cpu(bits: list[torch.Tensor], offsets: list[int], threads: int | None = None) -> list[tuple[int, int]]:
+    """``(checksum, checksum2)`` of each CPU bits tensor, both from one compiled pass over it.
+
+    checksum2's position hash is compute bound here (~1 ns an element on this machine's cores, against
+    ~0.1 ns for checksum alone), so with ``threads`` > 1 the tensors are split between this thread and
+    a second one (:func:`apply_threads`); the pass holds no GIL.
+    """
     from rltune.sync.kernels.reference import checksum2_pack
 
-    view = bits_N.reshape(-1).numpy()
-    mask = _MASKS.get(view.dtype)
-    if mask is None:
-        raise TypeError(f"checksum2_cpu takes int16, int32 or uint8 bits, not {view.dtype}")
-    a, b = _checksum2_lanes(view, int(offset), mask)
-    return checksum2_pack(int(a), int(b))
+    views = [_view_and_mask(t, "checksum_pairs_cpu") for t in bits]
+    out: list[tuple[int, int]] = [(0, 0)] * len(views)
+
+    def run(chosen: list[int]) -> None:
+        for j in chosen:
+            c, a, b = _pair_lanes(views[j][0], int(offsets[j]), views[j][1])
+            out[j] = (int(c), checksum2_pack(int(a), int(b)))
+
+    _split_two([v.shape[0] for v, _ in views], run, threads, _PARALLEL_MIN_ELEMENTS)
+    return out
 
 
 @numba.njit(cache=True, nogil=True)
@@ -211,13 +232,37 @@ def checksum2_span_changes_cpu(idx_C: torch.Tensor, old_C: torch.Tensor, new_C: 
 
 _POOL: ThreadPoolExecutor | None = None
 _PARALLEL_MIN_CHANGES = 1 << 16  # below this a second thread costs more than it saves
+_PARALLEL_MIN_ELEMENTS = 1 << 20  # the same for the checksums' passes
 
 
 def _pool() -> ThreadPoolExecutor:
     global _POOL
     if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rltune-apply")
+        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rltune-cpu-kernels")
     return _POOL
+
+
+def apply_threads() -> int:
+    """Threads of the compiled passes: ``RLTUNE_APPLY_THREADS``, else two when the machine has two cores."""
+    return int(os.environ.get("RLTUNE_APPLY_THREADS", "0")) or min(2, os.cpu_count() or 1)
+
+
+def _split_two(sizes: list[int], run, threads: int | None, min_total: int) -> None:
+    """``run(items)`` over every item, split in two halves of about equal size (largest first) between
+    this thread and the pool's when ``threads`` > 1 and there is enough work."""
+    threads = apply_threads() if threads is None else threads
+    if threads < 2 or sum(sizes) < min_total or len(sizes) < 2:
+        run(list(range(len(sizes))))
+        return
+    halves: list[list[int]] = [[], []]
+    load = [0, 0]
+    for j in sorted(range(len(sizes)), key=lambda j: -sizes[j]):
+        k = 0 if load[0] <= load[1] else 1
+        halves[k].append(j)
+        load[k] += sizes[j]
+    second = _pool().submit(run, halves[1])
+    run(halves[0])
+    second.result()
 
 
 def apply_deltas_cpu(targets: list[torch.Tensor], layouts: list[dict], entry_tensor_E: torch.Tensor,
@@ -230,7 +275,7 @@ def apply_deltas_cpu(targets: list[torch.Tensor], layouts: list[dict], entry_ten
     A sparse patch waits on memory, one cache line per change (measured here: ~20 ns a change at 1 %
     density against ~2 ns dense), so with ``threads`` > 1 (default: two when the machine has two
     cores) the entries are split between this thread and a second one; the kernel holds no GIL and
-    entries write disjoint elements. ``RLTUNE_APPLY_THREADS`` overrides the default.
+    entries write disjoint elements. ``RLTUNE_APPLY_THREADS`` overrides the default (:func:`apply_threads`).
     """
     idx = idx_C.to(torch.int64).numpy()
     val = val_C.to(torch.int32).numpy()
@@ -253,21 +298,5 @@ def apply_deltas_cpu(targets: list[torch.Tensor], layouts: list[dict], entry_ten
                                       lay["col_window"][1], rt, ct, tables, add, views[target].dtype != np.uint8, mix)
             checksums[e], written[e], mixes[e] = int(s), int(n), (int(a) << 32) | int(b)
 
-    if threads is None:
-        threads = int(os.environ.get("RLTUNE_APPLY_THREADS", "0")) or min(2, os.cpu_count() or 1)
-    out = (checksums, written, mixes) if mix else (checksums, written)
-    if threads < 2 or offsets[-1] < _PARALLEL_MIN_CHANGES or len(entries) < 2:
-        run(list(range(len(entries))))
-        return out
-    # two halves of about equal changes, the larger entries dealt first
-    order = sorted(range(len(entries)), key=lambda e: offsets[e] - offsets[e + 1])
-    halves: list[list[int]] = [[], []]
-    load = [0, 0]
-    for e in order:
-        k = 0 if load[0] <= load[1] else 1
-        halves[k].append(e)
-        load[k] += offsets[e + 1] - offsets[e]
-    second = _pool().submit(run, halves[1])
-    run(halves[0])
-    second.result()
-    return out
+    _split_two([offsets[e + 1] - offsets[e] for e in range(len(entries))], run, threads, _PARALLEL_MIN_CHANGES)
+    return (checksums, written, mixes) if mix else (checksums, written)
