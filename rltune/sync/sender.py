@@ -45,7 +45,7 @@ from rltune.errors import RltuneError
 from rltune.sync import codec, store
 from rltune.sync import format as fmt
 from rltune.sync.chunked import DEFAULT_MAX_ELEMENTS, DeltaRecorder, UnknownParameterError, chunked_step
-from rltune.sync.kernels import ChangeCapacityError, KernelBackendError, checksum_pair
+from rltune.sync.kernels import ChangeCapacityError, KernelBackendError, checksum_pair, checksum_pairs
 from rltune.sync.kernels.reference import MASK64, checksum2_add, diff_ref
 from rltune.sync.ops import wire_bits, wire_diff, wire_width
 
@@ -79,6 +79,9 @@ class SignSGD(torch.optim.Optimizer):
         if group["weight_decay"]:
             pc.mul_(1 - group["lr"] * group["weight_decay"])
         pc.add_(torch.sign(grad.reshape(-1)[start:stop]), alpha=-group["lr"])
+
+
+_SHARE_BATCH_BYTES = 256 << 20  # wire bits checksummed together by one live check call
 
 
 class PublisherConfigError(RltuneError):
@@ -276,6 +279,22 @@ class DeltaPublisher:
         """(checksum, checksum2) of this rank's share of ``name``, from the live weights."""
         return checksum_pair(self._bits(name), offset=self.ranges[name][0])
 
+    def _shares(self, names: list[str]) -> dict[str, tuple[int, int]]:
+        """:meth:`_share` of each name, in batches of ~256 MB of wire bits (CPU weights: each batch over
+        two threads); a cast to the wire dtype is held for one batch only."""
+        out: dict[str, tuple[int, int]] = {}
+        batch: list[tuple[str, torch.Tensor]] = []
+        held = 0
+        for at, name in enumerate(names):
+            bits = self._bits(name)
+            batch.append((name, bits))
+            held += bits.numel() * bits.element_size()
+            if held >= _SHARE_BATCH_BYTES or at == len(names) - 1:
+                pairs = checksum_pairs([b for _, b in batch], [self.ranges[n][0] for n, _ in batch])
+                out.update(zip([n for n, _ in batch], pairs, strict=True))
+                batch, held = [], 0
+        return out
+
     def attempt_id(self, step: int) -> str:
         """The attempt id of this publisher's publish of ``step``: the same on every rank of one
         incarnation, different for any other incarnation or run."""
@@ -315,10 +334,7 @@ class DeltaPublisher:
 
     def _verify_live(self, step: int) -> None:
         # both checksums: an outside edit whose position-weighted changes cancel still moves checksum2
-        for name in self.first_names:
-            if name in self.static_names:
-                continue
-            live, live2 = self._share(name)
+        for name, (live, live2) in self._shares([n for n in self.first_names if n not in self.static_names]).items():
             for which, got, want in (("checksum", live, self._checksums[name]),
                                      ("checksum2", live2, self._checksums2[name])):
                 if got != want:
@@ -357,8 +373,8 @@ class DeltaPublisher:
         if kind != "full":
             files[fmt.part_file_name(self.rank, "delta")] = self._delta_part(dict(header, kind="delta", base_step=base_step))
         if kind != "delta":
-            for name in self.first_names:
-                self._checksums[name], self._checksums2[name] = self._share(name)
+            for name, (c1, c2) in self._shares(self.first_names).items():
+                self._checksums[name], self._checksums2[name] = c1, c2
             for name in self.static_names:
                 self._static_copy[name] = self._bits(name).clone()
             files[fmt.part_file_name(self.rank, "anchor")] = self._anchor_part(dict(header, kind="anchor", base_step=None))
