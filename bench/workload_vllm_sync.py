@@ -9,7 +9,8 @@ batch and steps:
   ``reload_weights`` from it (the baseline: a full reload);
 - ``sparse_delta``: the trainer publishes the step's changed elements (the diff is taken inside its
   optimizer step) and the engine patches them in place through ``rltune.sync.vllm`` and verifies
-  every tensor's checksum.
+  every tensor's checksum; one arm per ``--codings`` entry (``sync.delta_coding``: the near-entropy
+  codec, or plain fixed-width changes), named ``sparse_delta`` and ``sparse_delta+plain``.
 
 ``weight_sync_s`` is the workload's sync stage as its metrics record it: publish + every engine
 loaded. Min / median / max over the steps from ``--warmup`` on, per transport, and the ratio of the
@@ -19,7 +20,7 @@ falls on both.
 
 Usage (CPU)::
 
-    python bench/workload_vllm_sync.py --steps 8 --out bench/results/workload_vllm_sync-cpu-<git>.json
+    python bench/workload_vllm_sync.py --steps 8 --codings entropy,plain --out bench/results/workload_vllm_sync-cpu-<git>.json
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ sys.path.insert(0, str(REPO))
 from rltune.sync.bench import git_sha  # noqa: E402
 
 PRESET = REPO / "presets" / "workload" / "tiny-math-vllm.yaml"
-TRANSPORTS = ("filesystem", "sparse_delta")
 COLUMNS = ("weight_sync_s", "sync_publish_s", "sync_load_s_max", "sync_read_s_max", "sync_write_s_max",
            "sync_bytes", "sync_changes", "training_s", "rollout_s", "step_s", "gap")
 
@@ -99,10 +99,19 @@ def device() -> dict[str, object]:
     return dict(kind="cpu", cpu=model, cpus=len(os.sched_getaffinity(0)), machine=platform.machine())
 
 
-def run_once(transport: str, run_dir: Path, args) -> dict:
+def arms(codings: list[str]) -> dict[str, list[str]]:
+    """Each arm's name and its sync overrides: the full reload, then sparse deltas in each coding."""
+    out = {"filesystem": ["sync.transport=filesystem"]}
+    for coding in codings:
+        name = "sparse_delta" if coding == "entropy" else f"sparse_delta+{coding}"
+        out[name] = ["sync.transport=sparse_delta", f"sync.delta_coding={coding}"]
+    return out
+
+
+def run_once(transport: str, sync: list[str], run_dir: Path, args) -> dict:
     import rltune.workload as workload
 
-    overrides = [f"model.preset={args.model}", f"trainer.lr={args.lr}", f"sync.transport={transport}",
+    overrides = [f"model.preset={args.model}", f"trainer.lr={args.lr}", *sync,
                  f"orchestrator.tasks_per_batch={args.tasks}", f"orchestrator.trials_per_task={args.trials}",
                  f"env.max_new_tokens={args.max_new_tokens}", *args.set]
     start = time.perf_counter()
@@ -128,16 +137,18 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--set", action="append", default=[], help="another workload override (dotted.key=value)")
+    ap.add_argument("--codings", default="entropy", help="sparse-delta arms, comma-separated: entropy, plain")
     ap.add_argument("--workdir", default=None, help="where the runs go (default: a temporary directory)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rltune-wl-vllm-sync-"))
     runs = []
+    plan = arms([c.strip() for c in args.codings.split(",") if c.strip()])
     for r in range(args.rounds):
-        for transport in TRANSPORTS:
+        for transport, sync in plan.items():
             print(f"round {r}: {transport}", flush=True)
-            runs.append(dict(round=r, **run_once(transport, workdir / f"r{r}-{transport}", args)))
+            runs.append(dict(round=r, **run_once(transport, sync, workdir / f"r{r}-{transport}", args)))
             s = runs[-1]["stats"]["weight_sync_s"]
             print(f"  weight_sync_s min/median/max {s['min']:.4f} / {s['median']:.4f} / {s['max']:.4f}", flush=True)
 
@@ -146,16 +157,17 @@ def main() -> int:
                   for step, v in enumerate(run["per_step"][column]) if step >= args.warmup]
         return stats(values)
 
-    summary = {t: {c: pooled(t, c) for c in COLUMNS} for t in TRANSPORTS}
-    full, sparse = summary["filesystem"]["weight_sync_s"], summary["sparse_delta"]["weight_sync_s"]
+    summary = {t: {c: pooled(t, c) for c in COLUMNS} for t in plan}
+    full = summary["filesystem"]["weight_sync_s"]["median"]
+    ratios = {t: full / summary[t]["weight_sync_s"]["median"] for t in plan if t != "filesystem"}
     record = dict(bench="workload_vllm_sync", git=git_sha(REPO), device=device(), versions=versions(),
                   config=dict(preset=str(PRESET.relative_to(REPO)), **{k: v for k, v in vars(args).items() if k != "out"}),
-                  summary=summary, full_over_sparse_median=full["median"] / sparse["median"], runs=runs,
-                  time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+                  summary=summary, full_over_sparse_median=ratios, runs=runs, time=time.strftime("%Y-%m-%dT%H:%M:%S"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
-    print(f"weight_sync_s medians: full reload {full['median']:.4f} s, sparse deltas {sparse['median']:.4f} s "
-          f"-> {record['full_over_sparse_median']:.2f}x; {args.out}")
+    print(f"weight_sync_s medians: full reload {full:.4f} s; "
+          + ", ".join(f"{t} {summary[t]['weight_sync_s']['median']:.4f} s ({ratios[t]:.2f}x)" for t in ratios)
+          + f"; {args.out}")
     return 0
 
 

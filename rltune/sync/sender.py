@@ -120,6 +120,10 @@ class DeltaPublisherConfig:
     """A step that changed more than this share of the elements goes out as a full checkpoint: writing
     the raw bytes beats encoding that many changes (H200: 300 M changes took 19.6 s to encode, a full
     write of the same model 1.4-2.0 s). None: never. Ranks decide alone, so single rank only."""
+    coding: str = "entropy"
+    """How a delta's changes are written: entropy (the near-entropy codec, ~2-2.5 B a change for bf16,
+    ~30 ns a change to code on a host core), plain (fixed-width positions and values, ~6 B a change
+    at memory speed: for engines on the trainer's host, where bytes sit in the page cache)."""
     encoder: str = "auto"
     """Where a delta is coded: gpu (rltune.sync.codec_gpu, the same bytes, 7x the host's 16 threads on
     the H200), host (the host's cores), auto (the GPU when the weights live on one)."""
@@ -153,6 +157,8 @@ class DeltaPublisherConfig:
             raise bad("finalize_timeout_s", f"must be positive, got {self.finalize_timeout_s}")
         if self.dense_fraction is not None and not 0 < self.dense_fraction <= 1:
             raise bad("dense_fraction", f"must be in (0, 1] or None, got {self.dense_fraction}")
+        if self.coding not in ("entropy", "plain"):
+            raise bad("coding", f"coding must be entropy or plain, got {self.coding!r}")
         if self.encoder not in ("auto", "gpu", "host"):
             raise bad("encoder", f"encoder must be auto, gpu or host, got {self.encoder!r}")
         if self.differ not in ("auto", "triton", "torch"):
@@ -452,14 +458,15 @@ class DeltaPublisher:
         return fmt.encode_part(dict(header, entries=entries), b"".join(blobs))
 
     def _encode(self, jobs: list[tuple[torch.Tensor, torch.Tensor, int, int, int]]) -> list[bytes]:
+        plain = self.config.coding == "plain"
         on_gpu = bool(jobs) and all(idx.is_cuda for idx, *_ in jobs)
-        if self.encoder == "gpu" or (self.encoder == "auto" and on_gpu):
+        if not plain and (self.encoder == "gpu" or (self.encoder == "auto" and on_gpu)):
             from rltune.sync.codec_gpu import encode_many_gpu
 
             return encode_many_gpu(jobs)
-        # every block of every tensor on the host's cores (the coder releases the GIL)
+        # every block of every tensor on the host's cores (the coder releases the GIL); plain: no coder
         return codec.encode_many([(idx.cpu().numpy(), diff.cpu().numpy(), bits, lo, hi)
-                                  for idx, diff, bits, lo, hi in jobs])
+                                  for idx, diff, bits, lo, hi in jobs], mode="plain" if plain else "auto")
 
     def _anchor_part(self, header: dict[str, Any]) -> bytes:
         entries, blobs, offset = [], [], 0

@@ -323,7 +323,7 @@ def make_workload_publisher(cfg: WorkloadConfig, run_dir: Path, trainer):
     publisher = make_publisher(cfg.sync.transport, model=module, workdir=run_dir, optimizer=trainer.optimizer,
                                engine_dtype=engine_dtype, keep=cfg.sync.keep_checkpoints, shared=True,
                                delta=DeltaPublisherConfig(interval=cfg.sync.anchor_interval, run_id="workload",
-                                                          wire_dtype=wire))
+                                                          wire_dtype=wire, coding=cfg.sync.delta_coding))
     if publisher.drives_optimizer_step:
         publisher.publish(0)  # the weights the engines start with: the base of the first delta
     return publisher

@@ -27,7 +27,7 @@ class Trainer:
     def __init__(self, root, interval=3, optimizer="adamw", lr=1e-3, kv_heads=2, tie=False,
                  dtype=torch.bfloat16, wire_dtype=None, chunk_elements=1000, rank=0, world=1, run_id="run-a",
                  dense_fraction=None, encoder="auto", differ="torch", change_capacity=0.1, fused=None, incarnation=None,
-                 keep_anchors=2, model_kw=None):
+                 keep_anchors=2, model_kw=None, coding="entropy"):
         self.model = tiny_qwen3(kv_heads, tie, dtype, **(model_kw or {}))
         if optimizer == "adamw":
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01, fused=fused)
@@ -36,7 +36,7 @@ class Trainer:
         self.pub = DeltaPublisher(self.model, self.opt, root, interval, rank=rank, world=world, run_id=run_id,
                                   chunk_elements=chunk_elements, wire_dtype=wire_dtype, dense_fraction=dense_fraction,
                                   encoder=encoder, differ=differ, change_capacity=change_capacity,
-                                  incarnation=incarnation, keep_anchors=keep_anchors)
+                                  incarnation=incarnation, keep_anchors=keep_anchors, coding=coding)
         self.gen = torch.Generator().manual_seed(1)
 
     def train_step(self):

@@ -97,6 +97,33 @@ def _entries(root, step):
     return header["entries"]
 
 
+def test_plain_coded_deltas_carry_the_entropy_coded_changes_and_engines_follow_them(tmp_path):
+    from rltune.sync import codec
+
+    trainers = {c: Trainer(tmp_path / c, interval=10, coding=c) for c in ("entropy", "plain")}
+    follower, rx = None, None
+    for step in range(4):
+        for coding, tr in trainers.items():
+            if step:
+                tr.train_step()
+            m = tr.pub.publish(step)
+            if coding == "plain":
+                if step == 0:
+                    follower, rx = make_receiver(tmp_path / coding, engine_cfg(tr), m)
+                assert rx.apply(step).action == ("reload" if step == 0 else "delta")
+    plain, entropy = trainers["plain"], trainers["entropy"]
+    assert all(torch.equal(v, entropy.wire_state()[k]) for k, v in plain.wire_state().items())  # the same steps
+    assert_same_params(follower, reference_engine(engine_cfg(plain), plain.wire_state()))
+    for step in (1, 2, 3):
+        # both trainers took the same steps: the same changes, coded two ways
+        for mine, theirs in zip(_entries(tmp_path / "plain", step), _entries(tmp_path / "entropy", step), strict=True):
+            assert (mine["name"], mine["changes"]) == (theirs["name"], theirs["changes"])
+        path = tmp_path / "plain" / fmt.step_dir_name(step) / fmt.part_file_name(0, "delta")
+        header, start = fmt.read_part_header(path)
+        for e in header["entries"]:
+            assert fmt.read_entry_bytes(path, start, e)[0] == codec.MODE_PLAIN
+
+
 def test_a_weight_changed_outside_the_step_raises(tmp_path):
     tr = Trainer(tmp_path)
     tr.pub.publish(0)
@@ -402,6 +429,7 @@ def test_a_step_beyond_the_change_capacity_goes_out_full_and_the_chain_goes_on(t
     ("chunk_elements", 0, "chunk_elements: must be >= 1"),
     ("dense_fraction", 1.5, r"dense_fraction: must be in \(0, 1\]"),
     ("encoder", "tpu", "encoder must be auto, gpu or host"),
+    ("coding", "zstd", "coding must be entropy or plain"),
     ("wire_dtype", torch.int8, "no wire format"),
     ("keep_anchors", 0, "keep_anchors: must be >= 1"),
     ("incarnation", 7, "incarnation: must be a string"),

@@ -93,8 +93,11 @@ def test_a_served_engine_in_one_step_async_mode_reads_its_counters_from_metrics(
     metrics = workload.run(TINY_MATH, tmp_path, steps=3,
                            overrides=[*FAST, "orchestrator.tasks_per_batch=4", "orchestrator.trials_per_task=4",
                                       "env.max_new_tokens=16", "engine.serve=true",
-                                      "orchestrator.rl_mode=one_step_async", "sync.transport=sparse_delta"])
+                                      "orchestrator.rl_mode=one_step_async", "sync.transport=sparse_delta",
+                                      "sync.delta_coding=plain"])
     recs = records(metrics)
+    # plain coding: a u32 position and a bf16 difference for every change the engine verified and patched
+    assert all(r["sync_delta_bytes"] >= 6 * r["sync_changes"] > 0 for r in recs), [r["sync_delta_bytes"] for r in recs]
     # batch k+1 is generated with v_k while v_k+1 trains: one version old, and the gap shows it
     assert [(r["sample_age_mean"], r["sample_age_max"]) for r in recs] == [(0, 0), (1, 1), (1, 1)]
     assert recs[0]["gap"] < EXACT_GAP
