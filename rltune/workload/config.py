@@ -99,7 +99,7 @@ class SyncConfig:
     transport: Literal["filesystem", "inprocess", "sparse_delta"] = field("filesystem", doc="filesystem: safetensors checkpoint written and read; inprocess: shared-memory copy; sparse_delta: rltune.sync sender/receiver")
     keep_checkpoints: int = field(1, doc="filesystem: checkpoints kept on disk after the engines loaded them", min=0)
     anchor_interval: int = field(10, doc="sparse_delta: a full anchor every this many weight versions, deltas between", min=1)
-    delta_coding: Literal["entropy", "plain"] = field("entropy", doc="sparse_delta: entropy (the near-entropy codec, ~2-2.5 B a bf16 change, ~30 ns a change to code and to decode on a host core) or plain (fixed-width positions and values, ~6 B a change, no coder: the engines share the trainer's host and its page cache)")
+    delta_coding: Literal["entropy", "plain"] = field("entropy", doc="sparse_delta: entropy (the near-entropy codec, ~1.2 B a bf16 change at 1-3 % changed, ~30 ns a change to code and to decode on a host core) or plain (fixed-width positions and values, ~6 B a change, no coder: the engines share the trainer's host and its page cache)")
 
 
 @dataclass
