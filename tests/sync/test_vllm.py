@@ -27,6 +27,7 @@ from vllm_helpers import (
     reference_weights,
     requires_vllm,
     start_engine,
+    vllm_server,
 )
 
 from rltune.sync import format as fmt
@@ -238,14 +239,6 @@ def test_tp2_a_failure_on_one_worker_fails_both_within_the_time_out_and_both_rel
     assert greedy(llm) == greedy(fresh)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _completions(url: str, model: str) -> list[list[int]]:
     import urllib.request
 
@@ -261,30 +254,10 @@ def _completions(url: str, model: str) -> list[list[int]]:
 
 
 def test_the_openai_compatible_server_is_updated_through_its_own_collective_rpc_route(tmp_path):
-    import urllib.request
-
     trainer = Trainer(tmp_path, interval=3)
     boot = trainer.save()
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(boot), "--host",
-         "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "128",
-         "--kv-cache-memory-bytes", str(16 << 20), "--worker-extension-cls",
-         "rltune.sync.vllm.worker.RltuneWorkerExtension"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, VLLM_SERVER_DEV_MODE="1"))
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, "vllm serve exited before it was ready"
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "vllm serve was not ready within 120 s"
-            time.sleep(1)
+    with vllm_server(boot, tmp_path / "serve.log", "--worker-extension-cls", "rltune.sync.vllm.worker.RltuneWorkerExtension",
+                     timeout_s=120, VLLM_SERVER_DEV_MODE="1") as url:
         from rltune.sync.vllm import VllmReceiver
 
         rx = VllmReceiver.http(url, str(trainer.root))
@@ -305,6 +278,3 @@ def test_the_openai_compatible_server_is_updated_through_its_own_collective_rpc_
                [{n: w["sha256"] for n, w in r.items()} for r in want]
         with pytest.raises(fmt.ChainError, match="step 42 is absent"):
             rx.update(42)  # an error crosses HTTP as the same typed error
-    finally:
-        server.terminate()
-        server.wait(30)

@@ -18,7 +18,13 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
 
+import contextlib  # noqa: E402
 import importlib.util  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import urllib.request  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -142,3 +148,35 @@ def assert_same_weights(got: list[dict], want: list[dict]) -> None:
         assert g.keys() == w.keys(), rank
         for name in g:
             assert torch.equal(g[name]["tensor"].view(torch.uint8), w[name]["tensor"].view(torch.uint8)), (rank, name)
+
+
+@contextlib.contextmanager
+def vllm_server(model_dir: Path, log_path: Path, *flags: str, timeout_s: float = 300.0, **env: str):
+    """``vllm serve`` (vLLM's api_server entry) of ``model_dir`` on a free 127.0.0.1 port, its output in
+    ``log_path``: yields the base URL once ``/health`` answers, and stops the server after."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model_dir), "--host",
+             "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "128",
+             "--kv-cache-memory-bytes", str(16 << 20), *flags],
+            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, **env))
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                assert proc.poll() is None, "vllm serve exited before it was ready:\n" + log_path.read_text()[-2000:]
+                try:
+                    with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                        if resp.status == 200:
+                            break
+                except OSError:
+                    pass
+                assert time.monotonic() < deadline, f"vllm serve was not ready within {timeout_s:.0f} s"
+                time.sleep(1)
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(30)

@@ -10,11 +10,7 @@ and mapped, and they must agree with what the client itself counted (requests, g
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -22,7 +18,7 @@ from launch.jobfile import write_job
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "sync"))
-from vllm_helpers import requires_vllm  # noqa: E402
+from vllm_helpers import requires_vllm, vllm_server  # noqa: E402
 
 from rltune.cli.main import main  # noqa: E402
 from rltune.contracts.job import load_job  # noqa: E402
@@ -69,8 +65,6 @@ with open(run_dir / 'metrics.jsonl', 'a') as out, ThreadPoolExecutor(8) as pool:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """vllm serve of a tiny random model on 127.0.0.1, and its base URL."""
-    import socket
-
     import torch
 
     from rltune.workload.engine_vllm import write_boot_checkpoint
@@ -78,34 +72,8 @@ def server(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("serve")
     boot = write_boot_checkpoint(build_model("tiny", 0, torch.float32), work / "boot", torch.bfloat16)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1")
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    log = open(work / "serve.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(boot), "--host",
-         "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "128",
-         "--kv-cache-memory-bytes", str(16 << 20), "--enable-scale-out"], stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, (work / "serve.log").read_text()[-2000:]
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "vllm serve was not ready within 300 s"
-            time.sleep(1)
+    with vllm_server(boot, work / "serve.log", "--enable-scale-out") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
 
 
 def test_profile_fills_the_engine_columns_with_the_servers_own_figures(tmp_path, server, capsys):
