@@ -451,6 +451,16 @@ def encode_threads() -> int:
     return max(1, min(32, cpus))
 
 
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """The codec's thread pool, rebuilt when the thread count changes."""
+    global _POOL, _POOL_THREADS
+    if _POOL is None or _POOL_THREADS != threads:
+        if _POOL is not None:
+            _POOL.shutdown(wait=False)
+        _POOL, _POOL_THREADS = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rltune-codec"), threads
+    return _POOL
+
+
 def encode_many(jobs: Sequence[tuple[np.ndarray, np.ndarray, int, int, int]], threads: int | None = None,
                 mode: str = "auto") -> list[bytes]:
     """:func:`encode` of each ``(idx, diff, bits, start, stop)``, every block of every job on a thread pool.
@@ -458,19 +468,15 @@ def encode_many(jobs: Sequence[tuple[np.ndarray, np.ndarray, int, int, int]], th
     Blocks are independent and the coder releases the GIL, so a step's encoding scales with the
     host's cores; the bytes equal ``[encode(*job) for job in jobs]``.
     """
-    global _POOL, _POOL_THREADS
     threads = encode_threads() if threads is None else max(1, threads)
     if threads == 1 or len(jobs) < 2 and sum(len(job[0]) for job in jobs) <= BLOCK_CHANGES:
         planned = [_plan_stream(*job, mode=mode) for job in jobs]
         blocks = [_block_bytes(t) for _, job_tasks in planned for t in job_tasks]
     else:
-        if _POOL is None or _POOL_THREADS != threads:
-            if _POOL is not None:
-                _POOL.shutdown(wait=False)
-            _POOL, _POOL_THREADS = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rltune-encode"), threads
+        pool = _pool(threads)
         # checks and zigzag per job, then the blocks of all jobs: both on the pool
-        planned = list(_POOL.map(lambda job: _plan_stream(*job, mode=mode), jobs))
-        blocks = list(_POOL.map(_block_bytes, [t for _, job_tasks in planned for t in job_tasks]))
+        planned = list(pool.map(lambda job: _plan_stream(*job, mode=mode), jobs))
+        blocks = list(pool.map(_block_bytes, [t for _, job_tasks in planned for t in job_tasks]))
     out, at = [], 0
     for header, job_tasks in planned:
         out.append(_frame(*header, blocks[at:at + len(job_tasks)]))
@@ -552,6 +558,27 @@ def decode(data: bytes | memoryview, start: int, stop: int, bits: int | None = N
         raise CodecError("dense blocks do not tile the range in order")
     nz = np.nonzero(zz)[0]
     return idx[nz], unzigzag(zz[nz])
+
+
+def decode_many(streams: Sequence[tuple[bytes | memoryview, int, int, int | None]],
+                threads: int | None = None) -> list[tuple[np.ndarray, np.ndarray] | CodecError]:
+    """:func:`decode` of each ``(data, start, stop, bits)``, the streams spread over the encoder's
+    thread pool (:func:`encode_threads`; the coder releases the GIL). A stream that does not decode
+    comes back as its :class:`CodecError`, in its place, so the caller can name its entry."""
+    def one(job):
+        try:
+            return decode(*job)
+        except CodecError as exc:
+            return exc
+
+    threads = encode_threads() if threads is None else max(1, threads)
+    if threads == 1 or len(streams) < 2:
+        return [one(job) for job in streams]
+    order = sorted(range(len(streams)), key=lambda j: -len(streams[j][0]))  # the longest first: a short tail
+    out: list = [None] * len(streams)
+    for j, got in zip(order, _pool(threads).map(one, [streams[j] for j in order]), strict=True):
+        out[j] = got
+    return out
 
 
 def _decode_plain(data: memoryview, bits: int, n_blocks: int, n: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:

@@ -313,7 +313,7 @@ class DeltaReceiver:
         """Each delta entry this worker holds any of, decoded: (checkpoint names it lands in, idx, diff).
 
         A tied tensor's changes land in every name tied to it; an entry whose tensors this worker
-        does not hold is not even decoded.
+        does not hold is not even read. The entries decode on the codec's threads (``codec.decode_many``).
         """
         if m["kind"] == "full":
             raise fmt.ChainError(f"{self.store.step_dir(step)}: step {step} is a full checkpoint, not a delta")
@@ -321,21 +321,22 @@ class DeltaReceiver:
         for name, t in m["tensors"].items():
             if t["tied_to"] is not None:
                 tied.setdefault(t["tied_to"], []).append(name)
+        held, streams = [], []
         for path, start, header in self._part_paths(step, m, "parts"):
             for e in header["entries"]:
                 targets = [n for n in [e["name"], *tied.get(e["name"], [])]
                            if n in self.imap.tensors and self.imap.tensors[n].held]
-                if not targets:
-                    continue
-                bits = _DTYPE_BITS[m["tensors"][e["name"]]["dtype"]]
-                data = fmt.read_entry_bytes(path, start, e)
-                try:
-                    idx, diff = codec.decode(data, e["start"], e["stop"], bits)
-                except fmt.CodecError as exc:  # the codec knows bytes only: name the file and the entry
-                    raise fmt.CodecError(f"{path}: entry {e['name']}: {exc}") from None
-                if len(idx) != e["changes"]:
-                    raise fmt.CodecError(f"{path}: entry {e['name']} decodes to {len(idx)} changes, header says {e['changes']}")
-                yield targets, idx, diff
+                if targets:
+                    held.append((targets, path, e))
+                    streams.append((fmt.read_entry_bytes(path, start, e), e["start"], e["stop"],
+                                    _DTYPE_BITS[m["tensors"][e["name"]]["dtype"]]))
+        for (targets, path, e), got in zip(held, codec.decode_many(streams), strict=True):
+            if isinstance(got, fmt.CodecError):  # the codec knows bytes only: name the file and the entry
+                raise fmt.CodecError(f"{path}: entry {e['name']}: {got}") from None
+            idx, diff = got
+            if len(idx) != e["changes"]:
+                raise fmt.CodecError(f"{path}: entry {e['name']} decodes to {len(idx)} changes, header says {e['changes']}")
+            yield targets, idx, diff
 
     def _read_changes(self, step: int, m: dict) -> dict[str, list]:
         """This worker's changes of a delta step: name -> [(param id, positions, diffs, checkpoint idx)]."""

@@ -206,6 +206,25 @@ def test_encode_many_gives_encode_bytes_for_every_job_on_any_thread_count(monkey
         codec.encode_threads()
 
 
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_decode_many_gives_decode_of_every_stream_and_each_bad_one_its_error_in_place(threads):
+    rng = np.random.default_rng(9)
+    jobs = []
+    for k, numel, mode in ((3, 10, "auto"), (2 * codec.BLOCK_CHANGES + 5, 4 * codec.BLOCK_CHANGES, "sparse"),
+                           (900, 1000, "dense"), (5000, 90000, "plain")):
+        idx = np.sort(rng.choice(numel, size=k, replace=False)).astype(np.int64) + 50
+        diff = rng.integers(-100, 100, size=k).astype(np.int64)
+        diff[diff == 0] = 1
+        jobs.append((codec.encode(idx, diff, 16, 50, 50 + numel, mode=mode), 50, 50 + numel, 16))
+    bad = (jobs[1][0][:-3], *jobs[1][1:])  # truncated
+    got = codec.decode_many([jobs[0], bad, *jobs[1:]], threads=threads)
+    want = [codec.decode(*job) for job in jobs]
+    assert isinstance(got[1], CodecError)
+    for (i1, d1), (i2, d2) in zip([got[0], *got[2:]], want, strict=True):
+        assert np.array_equal(i1, i2) and np.array_equal(d1, d2)
+    assert codec.decode_many([], threads=threads) == []
+
+
 def test_encode_many_refuses_an_invalid_job_before_encoding_any():
     good = (np.array([1, 2], np.int64), np.array([1, -1], np.int64), 16, 0, 10)
     bad = (np.array([2, 1], np.int64), np.array([1, 1], np.int64), 16, 0, 10)
