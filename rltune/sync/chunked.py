@@ -61,13 +61,10 @@ from typing import NamedTuple, Protocol
 import torch
 
 from rltune.errors import RltuneError
-from rltune.sync.kernels import ChangeSink, PackedGroup, checksum2_span_changes
+from rltune.sync.kernels import ChangeSink, PackedGroup, checksum2_span_changes, diff_extract
 from rltune.sync.kernels.reference import (
     MASK64,
     adamw_beta_powers,
-    checksum2_update_ref,
-    checksum_update_ref,
-    diff_ref,
 )
 from rltune.sync.ops import wire_bits, wire_diff, wire_width
 
@@ -398,13 +395,12 @@ class DeltaRecorder:
             return
         for name, a, source, old in zip(prepared.names, prepared.offsets, prepared.sources, self._old, strict=True):
             new = wire_bits(source, prepared.dtype)
-            idx, new_changed = diff_ref(old, new)
+            # absolute indices and unsigned bits (compiled on a CPU), made once for the delta and both checksums
+            idx, new_changed, old_changed, change = diff_extract(old, new, a, backend="torch")
             if idx.numel():
-                old_changed = old[idx]
-                idx = idx + a  # absolute indices, made once for the delta and both checksums
+                (mix,) = checksum2_span_changes(idx, old_changed, new_changed, [(0, idx.numel())])
                 self._deltas.append(ChunkDelta(name, idx, wire_diff(old_changed, new_changed, wire_width(new)),
-                                               checksum_update_ref(idx, old_changed, new_changed),
-                                               checksum2_update_ref(idx, old_changed, new_changed)))
+                                               change, mix))
         self._old = []
 
     def step_adamw(self, chunks: list[Chunk], update: AdamWUpdate) -> bool:

@@ -220,11 +220,16 @@ def test_diff_extract_kernel_equals_reference(n, width):
     old = random_bits(n, width, seed=n)
     new = perturb(old, 0.05, seed=1)
     offset = (1 << 33) + 11
-    got = K.diff_extract(old, new, offset=offset, backend="triton")
+    from rltune.sync.kernels.cpu_kernels import diff_extract_cpu
+
     want = R.diff_extract_ref(old.cpu(), new.cpu(), offset)
-    for g, w in zip(got[:3], want[:3], strict=True):
-        assert torch.equal(g.cpu(), w)
-    assert got[3] == want[3]
+    for got in (K.diff_extract(old, new, offset=offset, backend="triton"), diff_extract_cpu(old.cpu(), new.cpu(), offset),
+                K.diff_extract(old.cpu(), new.cpu(), offset=offset)):  # the last: the compiled CPU passes
+        for g, w in zip(got[:3], want[:3], strict=True):
+            assert g.dtype == w.dtype and torch.equal(g.cpu(), w)
+        assert got[3] == want[3]
+    far = (1 << 62) + 5  # products and the sum wrap mod 2**64 as the reference's
+    assert diff_extract_cpu(old.cpu(), new.cpu(), far)[3] == R.diff_extract_ref(old.cpu(), new.cpu(), far)[3]
 
 
 def test_diff_extract_every_element_changed_and_none_changed():
@@ -235,6 +240,13 @@ def test_diff_extract_every_element_changed_and_none_changed():
     assert change == R.checksum_update_ref(torch.arange(5000), old.cpu(), new.cpu())
     idx, _, _, change = K.diff_extract(old, old.clone(), backend="triton")
     assert idx.numel() == 0 and change == 0
+    from rltune.sync.kernels.cpu_kernels import diff_extract_cpu
+
+    idx, new_c, old_c, change = diff_extract_cpu(old.cpu(), new.cpu())
+    assert torch.equal(idx, torch.arange(5000)) and torch.equal(new_c, R.unsigned(new.cpu()).to(torch.int32))
+    assert change == R.checksum_update_ref(torch.arange(5000), old.cpu(), new.cpu())
+    idx, new_c, old_c, change = diff_extract_cpu(old.cpu(), old.cpu().clone())
+    assert (idx.numel(), new_c.numel(), old_c.numel(), change) == (0, 0, 0, 0)
 
 
 def test_change_sink_appends_chunks_in_order_and_checks_capacity():

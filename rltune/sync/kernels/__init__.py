@@ -48,6 +48,7 @@ from rltune.sync.kernels.reference import (
     checksum2_ref,
     checksum_ref,
     diff_extract_ref,
+    unsigned,
 )
 
 _MASK_OF_BITS = {torch.int16: 0xFFFF, torch.int32: 0xFFFFFFFF, torch.uint8: 0xFF}
@@ -137,17 +138,20 @@ def checksum2(t: torch.Tensor, offset: int = 0, backend: str = "auto") -> int:
 
 def checksum2_span_changes(idx_C: torch.Tensor, old_C: torch.Tensor, new_C: torch.Tensor,
                            spans: list[tuple[int, int]]) -> list[int]:
-    """The packed checksum2 change of each span ``[a, b)`` of a step's changes (indices, unsigned old
-    and new bits as int32), as ``checksum2_update_ref`` of each span: compiled on CPU tensors, the torch
-    reference's per-change lanes summed by running sums elsewhere."""
+    """The packed checksum2 change of each span ``[a, b)`` of a step's changes (indices, old and new bits:
+    wire bits int16 / int32 / uint8, or a sink's unsigned bits as int32), as ``checksum2_update_ref`` of
+    each span: compiled on CPU tensors, the torch reference's per-change lanes summed by running sums
+    elsewhere."""
     if not spans:
         return []
-    if idx_C.device.type == "cpu" and old_C.dtype == new_C.dtype == torch.int32:  # a sink's step changes
+    if idx_C.device.type == "cpu" and old_C.dtype == new_C.dtype and old_C.dtype in _MASK_OF_BITS:
         try:
             from rltune.sync.kernels import cpu_kernels
         except ImportError:
             pass
         else:
+            if old_C.dtype != torch.int32:  # the kernel reads int32 (its low 32 bits): widen as unsigned
+                old_C, new_C = unsigned(old_C).to(torch.int32), unsigned(new_C).to(torch.int32)
             return cpu_kernels.checksum2_span_changes_cpu(idx_C.to(torch.int64).contiguous(), old_C.contiguous(),
                                                           new_C.contiguous(), spans)
     lane_a, lane_b = checksum2_contributions_ref(idx_C, old_C, new_C)
@@ -524,10 +528,18 @@ class ChangeSink:
 
 def diff_extract(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int = 0,
                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Changed elements of one chunk, as :func:`~rltune.sync.kernels.reference.diff_extract_ref` (syncs once)."""
+    """Changed elements of one chunk, as :func:`~rltune.sync.kernels.reference.diff_extract_ref` (syncs
+    once; CPU bits through the compiled passes of :mod:`.cpu_kernels`)."""
     old_bits_N, new_bits_N = old_bits_N.reshape(-1), new_bits_N.reshape(-1)
     _check_pair(old_bits_N, new_bits_N)
     if not _use_triton(old_bits_N.device, backend):
+        if old_bits_N.device.type == "cpu":
+            try:
+                from rltune.sync.kernels import cpu_kernels
+            except ImportError:
+                pass
+            else:
+                return cpu_kernels.diff_extract_cpu(old_bits_N, new_bits_N, offset)
         return diff_extract_ref(old_bits_N, new_bits_N, offset)
     n = old_bits_N.numel()
     dev = old_bits_N.device
