@@ -50,7 +50,7 @@ from rltune.errors import RltuneError
 from rltune.sync import codec
 from rltune.sync import format as fmt
 from rltune.sync.indexmap import IndexMap, TensorRuns
-from rltune.sync.kernels import checksum_pair
+from rltune.sync.kernels import checksum_pairs
 from rltune.sync.kernels.reference import (
     MASK64,
     P31,
@@ -589,12 +589,11 @@ class DeltaReceiver:
         return staged
 
     def _write_anchor(self, step: int, staged: list[tuple[str, list[tuple[int, int, torch.Tensor]]]]) -> None:
-        self._shares, self._shares2 = {}, {}
-        for name, pieces in staged:
+        for _, pieces in staged:
             for pid, pos, src in pieces:
                 dst = as_bits(self.params[pid].data)
                 dst[pos: pos + src.numel()] = src.to(dst.device)
-            self._shares[name], self._shares2[name] = self._full_share(self.imap.tensors[name])
+        self._shares, self._shares2 = self._full_shares([name for name, _ in staged])
         self.step = step
         self.anchor_loads += 1
 
@@ -619,13 +618,21 @@ class DeltaReceiver:
                 pieces.append((pid, ps + a - cs, src[a - lo: b - lo]))
         return pieces
 
-    def _full_share(self, runs: TensorRuns) -> tuple[int, int]:
-        total, total2 = 0, 0
-        for cs, ln, pid, ps in zip(runs.ckpt_start.tolist(), runs.length.tolist(), runs.param.tolist(),
-                                   runs.param_start.tolist(), strict=True):
-            c1, c2 = checksum_pair(as_bits(self.params[pid].data)[ps: ps + ln], offset=cs)
-            total, total2 = total + c1, checksum2_add(total2, c2)
-        return total & MASK64, total2
+    def _full_shares(self, names: list[str]) -> tuple[dict[str, int], dict[str, int]]:
+        """Both checksums of what this worker holds of each named tensor, from its parameters: every run
+        of every tensor in one ``checksum_pairs`` call (CPU parameters: over two threads)."""
+        owners, views, offsets = [], [], []
+        for name in names:
+            runs = self.imap.tensors[name]
+            for cs, ln, pid, ps in zip(runs.ckpt_start.tolist(), runs.length.tolist(), runs.param.tolist(),
+                                       runs.param_start.tolist(), strict=True):
+                owners.append(name)
+                views.append(as_bits(self.params[pid].data)[ps: ps + ln])
+                offsets.append(cs)
+        shares, shares2 = dict.fromkeys(names, 0), dict.fromkeys(names, 0)
+        for name, (c1, c2) in zip(owners, checksum_pairs(views, offsets), strict=True):
+            shares[name], shares2[name] = shares[name] + c1, checksum2_add(shares2[name], c2)
+        return {n: v & MASK64 for n, v in shares.items()}, shares2
 
     def before_write(self) -> None:
         """Runs on every worker, as one group phase, before an update writes anything.
@@ -636,10 +643,7 @@ class DeltaReceiver:
 
     def recompute_shares(self) -> None:
         """Recompute every share from the parameters (O(weights)); for checks after outside writes."""
-        self._shares, self._shares2 = {}, {}
-        for n, r in self.imap.tensors.items():
-            if r.held:
-                self._shares[n], self._shares2[n] = self._full_share(r)
+        self._shares, self._shares2 = self._full_shares([n for n, r in self.imap.tensors.items() if r.held])
 
     def verify(self, step: int) -> None:
         """Check the shares held now against ``step``'s manifest (both checksums, group-wide)."""
