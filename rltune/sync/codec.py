@@ -9,9 +9,9 @@ no positions) smaller goes dense.
 
 A *plain* stream (``mode="plain"``) is the same changes without entropy coding: each change's
 position as a fixed-width offset and its difference as a ``bits``-wide integer, ~6 B a change for
-bf16 against ~1.2 B when 1-3 % of the elements change, written and read at memory speed instead of ~30 ns a change each way. It is
-for engines on the trainer's host, where the bytes sit in the page cache and the coder's time is
-the whole cost.
+bf16 against ~1.2 B when 1-3 % of the elements change, but written and read at memory speed instead
+of ~30 ns a change each way. It is for engines on the trainer's host, where the bytes sit in the
+page cache and the coder's time is most of the cost.
 
 The coder loops run under numba (``@njit(cache=True, nogil=True)``); the block framing is plain Python.
 Because blocks are independent and the coder releases the GIL, :func:`encode_many` encodes the

@@ -78,6 +78,11 @@ class EngineClient:
             except queue.Empty:
                 pass
             dead = [p for p in self.processes if not p.is_alive()]
+            if dead:
+                try:  # what it sent before it exited (its error, with the traceback) comes first
+                    return self.out_queue.get(timeout=0.5)
+                except queue.Empty:
+                    pass
             if dead or time.perf_counter() > deadline:
                 self.close()
             if dead:
