@@ -31,6 +31,15 @@ def cpu_run(tmp_path_factory):
     return cfg, out, run_sync_bench(cfg, out)
 
 
+def test_plain_delta_coding_publishes_six_bytes_a_change_and_every_engine_verifies(tmp_path):
+    cfg = with_overrides(load_sync_bench_config(resolve_preset("cpu")), steps=2, warmup_steps=1, transports=["sparse"],
+                         delta_coding="plain")
+    result = run_sync_bench(cfg, tmp_path)
+    assert result.record["all_verified"] is True
+    deltas = [r for r in result.rows if r["transport"] == "sparse" and not r["anchor"] and r["changes"] > 0]
+    assert deltas and all(r["bytes"] >= 6 * r["changes"] for r in deltas)  # a u32 position and a bf16 difference
+
+
 def test_cpu_record_is_consistent(cpu_run):
     cfg, out, result = cpu_run
     record = json.loads((out / "sync-bench.json").read_text())

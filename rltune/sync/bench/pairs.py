@@ -44,6 +44,7 @@ class BenchContext:
     anchor_interval: int = 50
     chunk_elements: int = 1 << 26
     differ: str = "auto"  # sparse: DeltaPublisher's differ (auto, triton, torch)
+    delta_coding: str = "entropy"  # sparse: DeltaPublisher's coding (entropy, plain)
     nccl_engines: int = 1
     nccl_timeout_s: float = 300.0
     dense_fraction: float | None = None  # sparse: publish a step this dense as a full checkpoint (None: never)
@@ -205,7 +206,7 @@ def make_bench_transport(name: str, ctx: BenchContext) -> BenchTransport:
     canonical = tr.canonical_name(name)
     delta = DeltaPublisherConfig(interval=ctx.anchor_interval, run_id=f"sync-bench-{uuid.uuid4().hex[:8]}",
                                  chunk_elements=ctx.chunk_elements, differ=ctx.differ,
-                                 dense_fraction=ctx.dense_fraction)
+                                 dense_fraction=ctx.dense_fraction, coding=ctx.delta_coding)
     publisher = tr.make_publisher(canonical, model=ctx.model, optimizer=ctx.optimizer, workdir=ctx.workdir,
                                   shared=False, delta=delta,
                                   build_engine=functools.partial(ToyEngine, ctx.engine_config),

@@ -75,6 +75,8 @@ class SyncBenchConfig:
     anchor_interval: int = field(50, doc="sparse: a full anchor every N steps", min=1)
     dense_fraction: float = field(0.0, doc="sparse: a step that changed more than this share of the elements is published full (0: never)", min=0, max=1)
     chunk_elements: int = field(1 << 26, doc="sparse: elements per optimizer-step chunk (diff hook granularity)", min=1)
+    delta_coding: Literal["entropy", "plain"] = field(
+        "entropy", doc="sparse: how deltas are written: entropy (the near-entropy codec) or plain (fixed-width changes, no coder)")
     differ: Literal["auto", "triton", "torch"] = field(
         "auto", doc="sparse: how the step's changes are found: triton (kernels), torch (reference), auto (triton on a GPU)")
     nccl_engines: int = field(1, doc="nccl: engine ranks (each on its own GPU; processes on a CPU)", min=1)
@@ -251,7 +253,8 @@ def run_sync_bench(cfg: SyncBenchConfig, out_dir: str | Path,
     shutil.rmtree(workdir, ignore_errors=True)
     ctx = BenchContext(model, optimizer, engine_cfg, device, workdir, anchor_interval=cfg.anchor_interval,
                               dense_fraction=cfg.dense_fraction or None,
-                              chunk_elements=cfg.chunk_elements, differ=cfg.differ, nccl_engines=cfg.nccl_engines,
+                              chunk_elements=cfg.chunk_elements, differ=cfg.differ, delta_coding=cfg.delta_coding,
+                              nccl_engines=cfg.nccl_engines,
                               nccl_timeout_s=cfg.nccl_timeout_s)
 
     transports: dict[str, BenchTransport] = {}
