@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import torch
@@ -51,7 +52,9 @@ from sync_helpers import Trainer, engine_cfg, make_receiver, reference_engine
 from rltune.errors import RltuneError
 from rltune.sync import codec
 from rltune.sync import format as fmt
+from rltune.sync import store as store_module
 from rltune.sync.kernels.reference import P31, as_bits, checksum2_ref, checksum_ref, unsigned
+from rltune.sync.store import BroadcastStore
 
 CASE_TIMEOUT_S = 30.0  # per fault: the call under test, the repair and the healing call
 CASE_RSS_GROWTH_MIB = 512  # per fault: growth of the process's peak resident memory (measured)
@@ -900,17 +903,24 @@ def f_a_dead_rank_summary_is_never_taken_for_the_new_attempts(case: Case) -> Tri
            for r in (0, 1)]
     done: dict[str, Any] = {}
 
+    written = threading.Event()  # rank 0 wrote its summary and now waits for rank 1's
+    real_write = store_module.write_rank_files
+
+    def write_rank_files(step_dir_, rank, files, summary):
+        real_write(step_dir_, rank, files, summary)
+        if rank == 0:
+            written.set()
+
     def rank0():
         try:
             done["m"] = new[0].pub.publish(1)
         except Exception as e:  # noqa: BLE001 - reported by the op below
             done["error"] = e
+            written.set()
     thread = threading.Thread(target=rank0, daemon=True)
-    thread.start()
-    # let rank 0 write its summary and wait for rank 1's (either order must give the new attempt)
-    summary, deadline = step_dir(root, 1) / "rank-00000.json", time.monotonic() + 20
-    while not summary.exists() and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    with mock.patch.object(store_module, "write_rank_files", write_rank_files):
+        thread.start()
+        written.wait(20)  # a bound for a rank 0 that hangs; it is set as soon as rank 0 waits
     new[1].pub.publish(1)
     thread.join(20)
     case.world.states["two", 1] = _snapshot(new[1])
@@ -1463,15 +1473,35 @@ def f_a_step_that_completes_while_the_engine_waits_is_applied(case: Case) -> Tri
     engine, rx = case.receiver(root, at=8)
     staging = case.scratch("staging")
     shutil.copytree(step_dir(case.world.stores["A+"], 9), staging)
+    landed: list[bool] = []
+    real_wait = BroadcastStore.wait_complete
 
-    def finish_later():
-        time.sleep(0.3)  # most likely after the engine began to wait; applied the same if it lands first
+    def land() -> None:
         d = step_dir(root, 9)
         d.mkdir()
         for n in sorted(os.listdir(staging), key=lambda n: n == fmt.COMPLETE_NAME):  # the marker last
             shutil.copy(staging / n, d / n)
-    threading.Thread(target=finish_later, daemon=True).start()
-    return Trial(rx, engine, lambda: rx.apply(9, wait_s=20), "correct", ("A", 9))
+
+    def wait_complete(store, step, timeout_s):
+        # the step lands right after the engine's wait first finds it incomplete, whatever the timing
+        def is_complete(s):
+            complete = BroadcastStore.is_complete(store, s)
+            if not complete and s == 9 and not landed:
+                land()
+                landed.append(True)
+            return complete
+        store.is_complete = is_complete
+        try:
+            return real_wait(store, step, timeout_s)
+        finally:
+            del store.is_complete
+
+    def op():
+        with mock.patch.object(BroadcastStore, "wait_complete", wait_complete):
+            report = rx.apply(9, wait_s=20)
+        assert landed, "the engine did not wait for the step"
+        return report
+    return Trial(rx, engine, op, "correct", ("A", 9))
 
 
 @fault("fallback")
