@@ -62,10 +62,7 @@ import torch
 
 from rltune.errors import RltuneError
 from rltune.sync.kernels import ChangeSink, PackedGroup, checksum2_span_changes, diff_extract
-from rltune.sync.kernels.reference import (
-    MASK64,
-    adamw_beta_powers,
-)
+from rltune.sync.kernels.reference import MASK64, adamw_beta_powers
 from rltune.sync.ops import wire_bits, wire_diff, wire_width
 
 DEFAULT_MAX_ELEMENTS = 1 << 26

@@ -360,8 +360,6 @@ def _encode_block(first: int, gaps: np.ndarray | None, zz: np.ndarray) -> bytes:
 
 
 def _block_bytes(task: tuple) -> bytes:
-    if task[0] == MODE_PLAIN:
-        return task[1]
     mode, idx_seg, zz_seg, first = task
     if mode == MODE_SPARSE:
         return _encode_block(int(idx_seg[0]), np.diff(idx_seg) - 1, zz_seg)
@@ -369,8 +367,6 @@ def _block_bytes(task: tuple) -> bytes:
 
 
 def _frame(mode: int, bits: int, start: int, stop: int, n: int, blocks: list[bytes]) -> bytes:
-    if mode == MODE_PLAIN:
-        return blocks[0]  # framed already
     offsets = np.zeros(len(blocks) + 1, dtype="<u8")
     offsets[1:] = np.cumsum([len(b) for b in blocks])
     return b"".join([_STREAM.pack(mode, bits, 0, len(blocks), n, start, stop), offsets.tobytes(), *blocks])
@@ -387,16 +383,10 @@ def _plain_stream(idx: np.ndarray, diff: np.ndarray, bits: int, start: int, stop
     return b"".join([_STREAM.pack(MODE_PLAIN, bits, 0, 0, idx.shape[0], start, stop), offsets.tobytes(), values.tobytes()])
 
 
-def _plan_stream(idx: np.ndarray, diff: np.ndarray, bits: int, start: int, stop: int,
-                 mode: str) -> tuple[tuple[int, int, int, int, int], list[tuple]]:
-    """Check one range's changes and cut them into block tasks; returns (frame header args, tasks).
-
-    A plain stream is one task: ``(MODE_PLAIN, its bytes)``.
-    """
+def _checked(idx: np.ndarray, diff: np.ndarray, bits: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+    """One range's changes as contiguous int64 arrays, checked (ValueError) as every mode needs them."""
     if bits not in (8, 16, 32):
         raise ValueError(f"bits must be 8, 16 or 32, got {bits}")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     idx = np.ascontiguousarray(idx, dtype=np.int64)
     diff = np.ascontiguousarray(diff, dtype=np.int64)
     if idx.shape != diff.shape or idx.ndim != 1 or idx.shape[0] == 0:
@@ -406,8 +396,13 @@ def _plan_stream(idx: np.ndarray, diff: np.ndarray, bits: int, start: int, stop:
     lim = 1 << (bits - 1)
     if np.any(diff == 0) or diff.min() < -lim or diff.max() >= lim:
         raise ValueError(f"differences must be non-zero and inside [-2^{bits - 1}, 2^{bits - 1})")
-    if mode == "plain":
-        return (MODE_PLAIN, bits, start, stop, idx.shape[0]), [(MODE_PLAIN, _plain_stream(idx, diff, bits, start, stop))]
+    return idx, diff
+
+
+def _plan_stream(idx: np.ndarray, diff: np.ndarray, bits: int, start: int, stop: int,
+                 mode: str) -> tuple[tuple[int, int, int, int, int], list[tuple]]:
+    """Check one range's changes and cut them into block tasks; returns (frame header args, tasks)."""
+    idx, diff = _checked(idx, diff, bits, start, stop)
     zz = zigzag(diff)
     if mode == "auto":
         mode = "dense" if _dense_is_smaller(idx, zz, stop - start) else "sparse"
@@ -431,8 +426,7 @@ def encode(idx: np.ndarray, diff: np.ndarray, bits: int, start: int, stop: int, 
     "auto" (the smaller of the two when the changed fraction makes dense plausible), all entropy
     coded; or "plain" (fixed-width positions and values, no coder).
     """
-    header, tasks = _plan_stream(idx, diff, bits, start, stop, mode)
-    return _frame(*header, [_block_bytes(t) for t in tasks])
+    return encode_many([(idx, diff, bits, start, stop)], threads=1, mode=mode)[0]
 
 
 _POOL: ThreadPoolExecutor | None = None
@@ -468,6 +462,11 @@ def encode_many(jobs: Sequence[tuple[np.ndarray, np.ndarray, int, int, int]], th
     Blocks are independent and the coder releases the GIL, so a step's encoding scales with the
     host's cores; the bytes equal ``[encode(*job) for job in jobs]``.
     """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "plain":  # no coder: every job checked first, then each copied out at memory speed
+        checked = [(*_checked(*job), *job[2:]) for job in jobs]
+        return [_plain_stream(*job) for job in checked]
     threads = encode_threads() if threads is None else max(1, threads)
     if threads == 1 or len(jobs) < 2 and sum(len(job[0]) for job in jobs) <= BLOCK_CHANGES:
         planned = [_plan_stream(*job, mode=mode) for job in jobs]

@@ -45,7 +45,7 @@ from rltune.errors import RltuneError
 from rltune.sync import codec, store
 from rltune.sync import format as fmt
 from rltune.sync.chunked import DEFAULT_MAX_ELEMENTS, DeltaRecorder, UnknownParameterError, chunked_step
-from rltune.sync.kernels import ChangeCapacityError, KernelBackendError, checksum_pair, checksum_pairs
+from rltune.sync.kernels import ChangeCapacityError, KernelBackendError, checksum_pairs
 from rltune.sync.kernels.reference import MASK64, checksum2_add, diff_ref
 from rltune.sync.ops import wire_bits, wire_diff, wire_width
 
@@ -281,13 +281,10 @@ class DeltaPublisher:
         a, b = self.ranges[name]
         return wire_bits(self.tensors[name], self._wire_dtype(name))[a:b]
 
-    def _share(self, name: str) -> tuple[int, int]:
-        """(checksum, checksum2) of this rank's share of ``name``, from the live weights."""
-        return checksum_pair(self._bits(name), offset=self.ranges[name][0])
-
     def _shares(self, names: list[str]) -> dict[str, tuple[int, int]]:
-        """:meth:`_share` of each name, in batches of ~256 MB of wire bits (CPU weights: each batch over
-        two threads); a cast to the wire dtype is held for one batch only."""
+        """(checksum, checksum2) of this rank's share of each name, from the live weights, in batches of
+        ~256 MB of wire bits (CPU weights: each batch over two threads); a cast to the wire dtype is held
+        for one batch only."""
         out: dict[str, tuple[int, int]] = {}
         batch: list[tuple[str, torch.Tensor]] = []
         held = 0
@@ -436,7 +433,7 @@ class DeltaPublisher:
                     continue
                 old = self._static_copy[name][idx]
                 diff = wire_diff(old, new, wire_width(cur))
-                self._checksums[name], self._checksums2[name] = self._share(name)
+                self._checksums[name], self._checksums2[name] = self._shares([name])[name]
                 self._static_copy[name] = cur.clone()
                 idx = idx + lo
             else:

@@ -271,9 +271,9 @@ class WorkerSync:
         if self.group is not None:
             import torch.distributed as dist
 
-            flag = torch.tensor([1 if failed else 0])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            failed = bool(flag.item())
+            any_failed = torch.tensor([1 if failed else 0])
+            dist.all_reduce(any_failed, op=dist.ReduceOp.MAX, group=self.group)  # 1 if any worker failed
+            failed = bool(any_failed.item())
         if err is not None:
             raise err
         if failed:
