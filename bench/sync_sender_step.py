@@ -42,6 +42,33 @@ def stats(values: list[float]) -> dict[str, float]:
     return dict(min_ms=1e3 * min(values), median_ms=1e3 * statistics.median(values), max_ms=1e3 * max(values))
 
 
+def profile_step(step, path: Path) -> None:
+    """Run ``step`` once under torch.profiler and cProfile; write its ops by host and by device time, and
+    its Python functions by cumulative time (where host time goes outside torch's ops)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    python = cProfile.Profile()
+    with profile(activities=activities) as prof:
+        python.enable()
+        step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        python.disable()
+    table = prof.key_averages()
+    functions = io.StringIO()
+    pstats.Stats(python, stream=functions).sort_stats("cumulative").print_stats(45)
+    text = ("by host time\n" + table.table(sort_by="self_cpu_time_total", row_limit=40)
+            + "\nby device time\n" + table.table(sort_by="self_device_time_total", row_limit=25)
+            + "\nPython functions by cumulative time\n" + functions.getvalue())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=["tiny", "small"], default="small")
@@ -56,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--adamw", choices=["foreach", "fused", "loop"], default="foreach",
                         help="torch AdamW's implementation (foreach: its default on a GPU; loop: foreach=False)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="also write a torch.profiler table of the kernels arm's last step (host and device "
+                             "time per op) to this file")
     args = parser.parse_args(argv)
     device = torch.device(resolve_device(args.device))
     with tempfile.TemporaryDirectory() as tmp:
@@ -77,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab = arms["plain"][0].config.vocab_size
         times: dict[str, list[float]] = {n: [] for n in arms}
         changes = []
-        for step in range(1, args.warmup + args.steps + 1):
+        for step in range(1, args.warmup + args.steps + 1 + (args.profile is not None)):
             ids = torch.randint(0, vocab, (args.batch, args.seq_len), generator=gen, device=device)
             # One backward, its gradients copied to every arm: CUDA backward kernels that add with
             # atomics (the embedding's) give slightly different gradients from run to run.
@@ -90,17 +120,26 @@ def main(argv: list[str] | None = None) -> int:
                     if p is not q:
                         p.grad = q.grad.clone()
             for name, (_, opt, pub) in arms.items():
-                seconds = once(opt.step if pub is None else pub.step)["median_ms"] / 1e3
+                run = opt.step if pub is None else pub.step
+                if step > args.warmup + args.steps:  # the profiled step, untimed: the profiler's cost is its own
+                    profile_step(run, args.profile) if name == "triton" else run()
+                    opt.zero_grad(set_to_none=True)
+                    continue
+                seconds = once(run)["median_ms"] / 1e3
                 opt.zero_grad(set_to_none=True)
                 if step > args.warmup:
                     times[name].append(seconds)
             parts = {}
+            overflowed = {name: arms[name][2]._overflow for name in ("torch", "triton", "staged")}
             for name in ("torch", "triton", "staged"):
                 kind = arms[name][2].publish(step)["kind"]
                 step_dir = Path(tmp) / name / fmt.step_dir_name(step)
                 parts[name] = (kind, {p.name: p.read_bytes() for p in sorted(step_dir.glob("rank-*"))})
+            kinds = {name: (kind, "overflowed" if overflowed[name] else "") for name, (kind, _) in parts.items()}
             if parts["staged"] != parts["triton"]:
-                raise SystemExit(f"step {step}: the staged and the fused kernels published different parts")
+                raise SystemExit(f"step {step}: the staged and the fused kernels published different parts ({kinds})")
+            if parts["torch"][0] != parts["triton"][0]:
+                raise SystemExit(f"step {step}: the differs published different kinds of parts ({kinds})")
             if parts["torch"] != parts["triton"]:
                 heads = {n: fmt.read_part_header(Path(tmp) / n / fmt.step_dir_name(step) / "rank-00000.delta")[0]
                          for n in ("torch", "triton")}
@@ -110,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"step {step}: the two differs published different parts; entries "
                                  f"(name, torch changes, triton changes) that differ: {odd[:5]}")
             if parts["triton"][0] != "delta":
-                raise SystemExit(f"step {step}: published {parts['triton'][0]}, not a delta; lower --lr")
+                raise SystemExit(f"step {step}: published {kinds}, not a delta; lower --lr")
             header, _ = fmt.read_part_header(Path(tmp) / "triton" / fmt.step_dir_name(step) / "rank-00000.delta")
             changes.append(sum(e["changes"] for e in header["entries"]))
             print(f"step {step}: " + ", ".join(f"{n} {1e3 * v[-1]:.1f} ms" for n, v in times.items() if v)
@@ -120,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     record = dict(benchmark="sync_sender_step", git_sha=git_sha(), device=device_info(str(device)), model=args.model,
                   params=params, chunk_elements=args.chunk_elements, adamw=args.adamw, lr=args.lr,
                   batch=args.batch, seq_len=args.seq_len, steps=args.steps,
-                  warmup=args.warmup, changes_per_step=changes[args.warmup:],
+                  warmup=args.warmup, changes_per_step=changes[args.warmup:args.warmup + args.steps],
                   plain_step=stats(times["plain"]), step_torch_differ=stats(times["torch"]),
                   step_triton_differ=stats(times["triton"]), step_triton_staged=stats(times["staged"]),
                   fused_step=bool(sink is not None and sink.fuse_adamw),

@@ -154,17 +154,13 @@ def checksum2_span_changes(idx_C: torch.Tensor, old_C: torch.Tensor, new_C: torc
                 old_C, new_C = unsigned(old_C).to(torch.int32), unsigned(new_C).to(torch.int32)
             return cpu_kernels.checksum2_span_changes_cpu(idx_C.to(torch.int64).contiguous(), old_C.contiguous(),
                                                           new_C.contiguous(), spans)
-    lane_a, lane_b = checksum2_contributions_ref(idx_C, old_C, new_C)
-    cum = torch.stack([lane_a.cumsum(0), lane_b.cumsum(0)]).cpu()  # each value < 2**32: the int64 sums are exact
-    out = []
-    for a, b in spans:
-        if b <= a:
-            out.append(0)
-            continue
-        la = int(cum[0, b - 1]) - (int(cum[0, a - 1]) if a else 0)
-        lb = int(cum[1, b - 1]) - (int(cum[1, a - 1]) if a else 0)
-        out.append(checksum2_pack(la % P31, lb % P31))
-    return out
+    # running sums of the per-change lanes (each < 2**32: exact in int64), differenced at the span bounds
+    # on the tensors' device: one transfer of two values a span
+    cum = torch.nn.functional.pad(torch.stack(checksum2_contributions_ref(idx_C, old_C, new_C)).cumsum(1), (1, 0))
+    starts = torch.tensor([a for a, _ in spans], dtype=torch.int64)
+    ends = torch.maximum(starts, torch.tensor([b for _, b in spans], dtype=torch.int64))  # an empty span sums to 0
+    lanes = (cum[:, ends.to(cum.device)] - cum[:, starts.to(cum.device)]).remainder(P31).tolist()
+    return [checksum2_pack(la, lb) for la, lb in zip(lanes[0], lanes[1], strict=True)]
 
 
 def checksum_pair(t: torch.Tensor, offset: int = 0, backend: str = "auto") -> tuple[int, int]:
