@@ -5,12 +5,14 @@ run-to-run noise every later trial must beat (:func:`rltune.tune.limits.measured
 starts from the current baseline (the untuned job, then each kept setup): its diagnosis feeds
 ``propose``, the case library and theory feed the forecast, and the next candidate by the shared
 pick (:func:`rltune.tune.pick.pick`) runs for real. A candidate is worth a trial when its forecast
-reaches ``limits.min_forecast_gain_pct`` -- or, while the evidence is thin, when only its range
-does and it relieves the limiting stage: the loop explores while it is unsure. Each trial joins the
+reaches ``limits.min_forecast_gain_pct`` -- or when only its range does and it relieves the
+limiting stage (ranked by the range's optimistic end while the evidence is thin): the loop explores
+while it is unsure. Each trial joins the
 library, so the next forecast refits the theory to it. A kept setup becomes the next round's
 baseline; a rejected one is recorded and the next candidate is tried. Knob values seen only in
-runs that crashed or hung are not tried again. The loop stops when no candidate's forecast or
-range reaches the gate, the trial budget is spent, or the rounds run out; then it writes the tuned
+runs that crashed or hung are not tried again. The loop stops when no candidate is worth a trial
+(by its forecast, or by its range while relieving the limiting stage), the trial budget is spent, or
+the rounds run out; then it writes the tuned
 preset, the savings by technique and the HTML report.
 
 Everything the loop decides is an event in ``WORKDIR/journal.jsonl`` (append-only, fsynced), with
@@ -211,8 +213,10 @@ class AutoLoop:
                                                           library, len(trials))
             trials += round_trials
             if outcome in ("no_candidates", "none_worth"):
+                gate = self.job.limits.min_forecast_gain_pct
                 reason = ("no applicable fix for what limits the step" if outcome == "no_candidates"
-                          else f"no candidate's forecast or range reaches the {self.job.limits.min_forecast_gain_pct:g}% gate")
+                          else f"no candidate is worth a trial: none is forecast {gate:g}% faster, and none whose "
+                               f"range reaches {gate:g}% relieves the limiting stage")
                 break
             round_no += 1
         return self._finish(reason, untuned, baseline)
