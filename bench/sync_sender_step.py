@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch AdamW's implementation (foreach: its default on a GPU; loop: foreach=False)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--profile", type=Path, default=None,
-                        help="also write a torch.profiler table of the kernels arm's last step (host and device "
-                             "time per op) to this file")
+                        help="also run one more step and write where the kernels arm's time went in it (torch "
+                             "ops by host and device time, Python functions by cumulative time) to this file")
     args = parser.parse_args(argv)
     device = torch.device(resolve_device(args.device))
     with tempfile.TemporaryDirectory() as tmp:
@@ -122,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
             for name, (_, opt, pub) in arms.items():
                 run = opt.step if pub is None else pub.step
                 if step > args.warmup + args.steps:  # the profiled step, untimed: the profiler's cost is its own
-                    profile_step(run, args.profile) if name == "triton" else run()
+                    if name == "triton":
+                        profile_step(run, args.profile)
+                    else:
+                        run()
                     opt.zero_grad(set_to_none=True)
                     continue
                 seconds = once(run)["median_ms"] / 1e3

@@ -12,8 +12,8 @@ The untuned job runs limits.baseline_runs times (their spread is the measured no
 round tries the candidates worth a trial: forecast limits.min_forecast_gain_pct faster, or with a
 forecast range that reaches that gate and relieves the stage that limits the step (ranked by the
 range's optimistic end while the evidence is thin). Stops when no candidate is worth a trial, the
-trial budget is spent or the rounds run out, then writes
-the tuned preset, the savings by technique and report.html. Every decision goes to
+trial budget is spent or the rounds run out, then writes the tuned preset, the savings by technique
+and report.html. Every decision goes to
 WORKDIR/journal.jsonl: after a crash or kill -9, run the same command again (from any directory)
 and it goes on where it stopped: runs still on a SLURM or Ray cluster are followed again, a local
 run left over is cancelled and run again. --parallel K runs up to K candidates of a round at once.

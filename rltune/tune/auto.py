@@ -7,13 +7,12 @@ starts from the current baseline (the untuned job, then each kept setup): its di
 pick (:func:`rltune.tune.pick.pick`) runs for real. A candidate is worth a trial when its forecast
 reaches ``limits.min_forecast_gain_pct`` -- or when only its range does and it relieves the
 limiting stage (ranked by the range's optimistic end while the evidence is thin): the loop explores
-while it is unsure. Each trial joins the
-library, so the next forecast refits the theory to it. A kept setup becomes the next round's
-baseline; a rejected one is recorded and the next candidate is tried. Knob values seen only in
-runs that crashed or hung are not tried again. The loop stops when no candidate is worth a trial
-(by its forecast, or by its range while relieving the limiting stage), the trial budget is spent, or
-the rounds run out; then it writes the tuned
-preset, the savings by technique and the HTML report.
+while it is unsure. Each trial joins the library, so the next forecast refits the theory to it. A
+kept setup becomes the next round's baseline; a rejected one is recorded and the next candidate is
+tried. Knob values seen only in runs that crashed or hung are not tried again. The loop stops when
+no candidate is worth a trial (by its forecast, or by its range while relieving the limiting
+stage), the trial budget is spent, or the rounds run out; then it writes the tuned preset, the
+savings by technique and the HTML report.
 
 Everything the loop decides is an event in ``WORKDIR/journal.jsonl`` (append-only, fsynced), with
 paths relative to the work directory, so the same command resumes from any working directory.
