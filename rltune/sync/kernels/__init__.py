@@ -29,6 +29,7 @@ worker's parameters: ``base + r * row_stride + c * col_stride`` inside a held wi
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -105,17 +106,21 @@ def _checksum_device(t: torch.Tensor, offset: int) -> torch.Tensor:
     return _triton().checksum_partials(bits, offset, _MASK_OF_BITS[bits.dtype]).sum()
 
 
+def _cpu_kernels():
+    """The compiled CPU passes (:mod:`.cpu_kernels`), or None where numba is missing (then the torch
+    references run). Looked up in ``sys.modules`` on every call, so a test can take them away."""
+    try:
+        return importlib.import_module("rltune.sync.kernels.cpu_kernels")
+    except ImportError:
+        return None
+
+
 def _compiled_cpu(name: str, t: torch.Tensor, offset: int) -> int | None:
     """A checksum of CPU bits by the compiled pass of :mod:`.cpu_kernels` (equal to the reference bit
     for bit, ~100 x faster), or None where it does not apply (another device, no numba)."""
     bits = _bits(t)
-    if bits.device.type != "cpu" or bits.dtype not in (torch.int16, torch.int32, torch.uint8):
-        return None
-    try:
-        from rltune.sync.kernels import cpu_kernels
-    except ImportError:
-        return None
-    return getattr(cpu_kernels, name)(bits.contiguous(), offset)
+    cpu_kernels = _cpu_kernels() if bits.device.type == "cpu" and bits.dtype in _MASK_OF_BITS else None
+    return None if cpu_kernels is None else getattr(cpu_kernels, name)(bits.contiguous(), offset)
 
 
 def checksum(t: torch.Tensor, offset: int = 0, backend: str = "auto") -> int:
@@ -144,16 +149,13 @@ def checksum2_span_changes(idx_C: torch.Tensor, old_C: torch.Tensor, new_C: torc
     elsewhere."""
     if not spans:
         return []
-    if idx_C.device.type == "cpu" and old_C.dtype == new_C.dtype and old_C.dtype in _MASK_OF_BITS:
-        try:
-            from rltune.sync.kernels import cpu_kernels
-        except ImportError:
-            pass
-        else:
-            if old_C.dtype != torch.int32:  # the kernel reads int32 (its low 32 bits): widen as unsigned
-                old_C, new_C = unsigned(old_C).to(torch.int32), unsigned(new_C).to(torch.int32)
-            return cpu_kernels.checksum2_span_changes_cpu(idx_C.to(torch.int64).contiguous(), old_C.contiguous(),
-                                                          new_C.contiguous(), spans)
+    cpu_kernels = (_cpu_kernels() if idx_C.device.type == "cpu" and old_C.dtype == new_C.dtype
+                   and old_C.dtype in _MASK_OF_BITS else None)
+    if cpu_kernels is not None:
+        if old_C.dtype != torch.int32:  # the kernel reads int32 (its low 32 bits): widen as unsigned
+            old_C, new_C = unsigned(old_C).to(torch.int32), unsigned(new_C).to(torch.int32)
+        return cpu_kernels.checksum2_span_changes_cpu(idx_C.to(torch.int64).contiguous(), old_C.contiguous(),
+                                                      new_C.contiguous(), spans)
     # running sums of the per-change lanes (each < 2**32: exact in int64), differenced at the span bounds
     # on the tensors' device: one transfer of two values a span
     cum = torch.nn.functional.pad(torch.stack(checksum2_contributions_ref(idx_C, old_C, new_C)).cumsum(1), (1, 0))
@@ -173,14 +175,10 @@ def checksum_pairs(tensors: list[torch.Tensor], offsets: list[int], backend: str
     """:func:`checksum_pair` of each tensor (its elements start at the matching offset). CPU bits go
     through one compiled pass each, split over two threads (``cpu_kernels.checksum_pairs_cpu``)."""
     bits = [_bits(t) for t in tensors]
-    on_cpu = all(b.device.type == "cpu" and b.dtype in (torch.int16, torch.int32, torch.uint8) for b in bits)
-    if on_cpu and not (bits and _use_triton(bits[0].device, backend)):
-        try:
-            from rltune.sync.kernels import cpu_kernels
-        except ImportError:
-            pass
-        else:
-            return cpu_kernels.checksum_pairs_cpu([b.contiguous() for b in bits], list(offsets))
+    on_cpu = all(b.device.type == "cpu" and b.dtype in _MASK_OF_BITS for b in bits)
+    cpu_kernels = _cpu_kernels() if on_cpu and not (bits and _use_triton(bits[0].device, backend)) else None
+    if cpu_kernels is not None:
+        return cpu_kernels.checksum_pairs_cpu([b.contiguous() for b in bits], list(offsets))
     return [(checksum(b, o, backend), checksum2(b, o, backend)) for b, o in zip(bits, offsets, strict=True)]
 
 
@@ -529,13 +527,9 @@ def diff_extract(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor, offset: int
     old_bits_N, new_bits_N = old_bits_N.reshape(-1), new_bits_N.reshape(-1)
     _check_pair(old_bits_N, new_bits_N)
     if not _use_triton(old_bits_N.device, backend):
-        if old_bits_N.device.type == "cpu":
-            try:
-                from rltune.sync.kernels import cpu_kernels
-            except ImportError:
-                pass
-            else:
-                return cpu_kernels.diff_extract_cpu(old_bits_N, new_bits_N, offset)
+        cpu_kernels = _cpu_kernels() if old_bits_N.device.type == "cpu" else None
+        if cpu_kernels is not None:
+            return cpu_kernels.diff_extract_cpu(old_bits_N, new_bits_N, offset)
         return diff_extract_ref(old_bits_N, new_bits_N, offset)
     n = old_bits_N.numel()
     dev = old_bits_N.device
