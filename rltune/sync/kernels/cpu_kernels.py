@@ -19,6 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numba
 import numpy as np
 import torch
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 _P31 = (1 << 31) - 1
 
@@ -55,6 +58,47 @@ def _mod_p(u):
     return v - p if v >= p else v
 
 
+@intrinsic
+def _prefetch_for_write(typingctx, array, index):
+    """A hint that ``array[index]`` is about to be written (LLVM's ``llvm.prefetch``: write, keep in
+    every cache level). It never faults; where a target has no prefetch instruction it is dropped."""
+    def codegen(context, builder, signature, args):
+        array_type = signature.args[0]
+        view = context.make_array(array_type)(context, builder, args[0])
+        pointer = cgutils.get_item_pointer(context, builder, array_type, view, [args[1]],
+                                           wraparound=False, boundscheck=False)
+        pointer = builder.bitcast(pointer, ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [pointer.type],
+                                              ir.FunctionType(ir.VoidType(), [pointer.type, i32, i32, i32]))
+        builder.call(fn, [pointer, ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return types.void(array, index), codegen
+
+
+# Changes ahead whose target the apply prefetches. The loop body of a change (checksum, checksum2
+# hash) is long enough that the core's reorder window holds only a few changes' cache misses at
+# once; fetching 32 changes ahead keeps ~30 misses in flight (16-64 measured alike, 8 slower).
+_PREFETCH_AHEAD = 32
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _target_position(i, contiguous, lo, hi, base, ncols, row_stride, col_stride, r0, r1, c0, c1,
+                     row_table, col_table, use_tables):
+    # checkpoint index i -> flat position in the target, or -1 when the target holds no such element
+    if contiguous:
+        return base + i if lo <= i < hi else np.int64(-1)
+    r = i // ncols
+    c = i - r * ncols
+    if use_tables:
+        rt = row_table[r]
+        ct = col_table[c]
+        return base + rt + ct if rt >= 0 and ct >= 0 else np.int64(-1)
+    if r < r0 or r >= r1 or c < c0 or c >= c1:
+        return np.int64(-1)
+    return base + r * row_stride + c * col_stride
+
+
 @numba.njit(cache=True, nogil=True)
 def _apply_entry(target_N, idx_C, val_C, width, ncols, base, row_stride, col_stride, r0, r1, c0, c1,
                  row_table, col_table, use_tables, add, signed, mix):
@@ -70,25 +114,18 @@ def _apply_entry(target_N, idx_C, val_C, width, ncols, base, row_stride, col_str
     # parameter): the position is base + i, no division
     contiguous = (not use_tables) and c0 == 0 and c1 == ncols and col_stride == 1 and row_stride == ncols
     lo, hi = r0 * ncols, r1 * ncols
-    for j in range(idx_C.shape[0]):
+    n = idx_C.shape[0]
+    for j in range(n):
+        if j + _PREFETCH_AHEAD < n:
+            ahead = _target_position(idx_C[j + _PREFETCH_AHEAD], contiguous, lo, hi, base, ncols, row_stride,
+                                     col_stride, r0, r1, c0, c1, row_table, col_table, use_tables)
+            if ahead >= 0:
+                _prefetch_for_write(target_N, ahead)
         i = idx_C[j]
-        if contiguous:
-            if i < lo or i >= hi:
-                continue
-            pos = base + i
-        else:
-            r = i // ncols
-            c = i - r * ncols
-            if use_tables:
-                rt = row_table[r]
-                ct = col_table[c]
-                if rt < 0 or ct < 0:
-                    continue
-                pos = base + rt + ct
-            else:
-                if r < r0 or r >= r1 or c < c0 or c >= c1:
-                    continue
-                pos = base + r * row_stride + c * col_stride
+        pos = _target_position(i, contiguous, lo, hi, base, ncols, row_stride, col_stride, r0, r1, c0, c1,
+                               row_table, col_table, use_tables)
+        if pos < 0:
+            continue
         old = np.int64(target_N[pos]) & mask
         if add:
             new = (old + np.int64(val_C[j])) & mask
