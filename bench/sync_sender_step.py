@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             # One backward, its gradients copied to every arm: CUDA backward kernels that add with
             # atomics (the embedding's) give slightly different gradients from run to run.
             plain = list(arms["plain"][0].parameters())
-            arms["plain"][0](input_ids=ids, labels=ids).loss.backward()
+            loss = arms["plain"][0](input_ids=ids, labels=ids).loss
+            loss.backward()
             for name, (model, _, _) in arms.items():
                 for p, q in zip(model.parameters(), plain, strict=True):
                     if not torch.equal(p.view(torch.int16), q.view(torch.int16)):
@@ -135,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
             parts = {}
             overflowed = {name: arms[name][2]._overflow for name in ("torch", "triton", "staged")}
             for name in ("torch", "triton", "staged"):
-                kind = arms[name][2].publish(step)["kind"]
+                try:
+                    kind = arms[name][2].publish(step)["kind"]
+                except fmt.NonFiniteWeightsError as exc:
+                    raise SystemExit(f"the {name} publisher refused the step ({exc}); the step's loss was "
+                                     f"{float(loss):.4g}: run fewer steps or a lower --lr") from None
                 step_dir = Path(tmp) / name / fmt.step_dir_name(step)
                 parts[name] = (kind, {p.name: p.read_bytes() for p in sorted(step_dir.glob("rank-*"))})
             kinds = {name: (kind, "overflowed" if overflowed[name] else "") for name, (kind, _) in parts.items()}

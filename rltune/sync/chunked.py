@@ -63,7 +63,7 @@ import torch
 from rltune.errors import RltuneError
 from rltune.sync.kernels import ChangeSink, PackedGroup, checksum2_span_changes, diff_extract
 from rltune.sync.kernels.reference import MASK64, adamw_beta_powers
-from rltune.sync.ops import wire_bits, wire_diff, wire_width
+from rltune.sync.ops import count_nonfinite, wire_bits, wire_diff, wire_width
 
 DEFAULT_MAX_ELEMENTS = 1 << 26
 
@@ -263,6 +263,10 @@ class ChunkDelta:
     checksum2_change: int  # the packed checksum2 change (kernels.reference.checksum2_update_ref)
 
 
+class NonFiniteChangesError(ChunkedStepError):
+    """The step wrote NaN or infinite values (a NaN loss or gradient): its changes are not a delta to send."""
+
+
 class UnknownParameterError(ChunkedStepError):
     """The optimizer steps a parameter the recorder was not given."""
 
@@ -325,6 +329,7 @@ class DeltaRecorder:
                                    backend, outputs, fuse_adamw)
         self._old: list[torch.Tensor] = []  # without a sink: the update's old wire bits, per chunk
         self._deltas: list[ChunkDelta] = []  # without a sink: the step's changes, chunk by chunk
+        self._nonfinite: list[tuple[str, torch.Tensor]] = []  # without a sink: each chunk's non-finite new values
 
     def _range(self, name: str, ranges: Mapping[str, tuple[int, int]]) -> tuple[int, int]:
         if name not in ranges:
@@ -372,7 +377,7 @@ class DeltaRecorder:
     def begin_step(self) -> None:
         if self.sink is not None:
             self.sink.reset()
-        self._old, self._deltas = [], []
+        self._old, self._deltas, self._nonfinite = [], [], []
 
     def before(self, chunks: list[Chunk]) -> None:
         prepared = self._prepared(chunks)
@@ -395,6 +400,7 @@ class DeltaRecorder:
             # absolute indices and unsigned bits (compiled on a CPU), made once for the delta and both checksums
             idx, new_changed, old_changed, change = diff_extract(old, new, a, backend="torch")
             if idx.numel():
+                self._nonfinite.append((name, count_nonfinite(new_changed, prepared.dtype)))
                 (mix,) = checksum2_span_changes(idx, old_changed, new_changed, [(0, idx.numel())])
                 self._deltas.append(ChunkDelta(name, idx, wire_diff(old_changed, new_changed, wire_width(new)),
                                                change, mix))
@@ -444,14 +450,18 @@ class DeltaRecorder:
         copy for the whole step (per wire width) and the checksum2 changes from the same changes in one
         pass, sliced per chunk; raises :class:`~rltune.sync.kernels.ChangeCapacityError` when the step
         changed more than the sink holds. Without: what :meth:`after` found, chunk by chunk.
+
+        Raises :class:`NonFiniteChangesError` when a new value is NaN or infinite (one more host sync).
         """
         if self.sink is None:
+            self._raise_nonfinite(self._nonfinite)
             return self._deltas
         spans = self.sink.collect_spans()
         idx_all, new_all, old_all = self.sink.step_changes()
+        changed = [(name, a, b, change) for name, a, b, change in spans if b > a]
+        self._check_finite(changed, new_all)
         idx_all = idx_all.clone()  # the sink's buffers are reused by the next step
         diffs: dict[int, torch.Tensor] = {}
-        changed = [(name, a, b, change) for name, a, b, change in spans if b > a]
         mixes = checksum2_span_changes(idx_all, old_all, new_all, [(a, b) for _, a, b, _ in changed])
         out = []
         for (name, a, b, change), mix in zip(changed, mixes, strict=True):
@@ -461,6 +471,29 @@ class DeltaRecorder:
             out.append(ChunkDelta(name, idx_all[a:b], diffs[bits][a:b], change, mix))
         return out
 
+    def _check_finite(self, changed: list[tuple[str, int, int, int]], new_all: torch.Tensor) -> None:
+        # one pass over the step's new values when every changed chunk has the same wire dtype (the usual
+        # case); the chunks one by one only when they differ or a count is needed for the message
+        dtypes = {self._dtype(self.params[name]) for name, _, _, _ in changed}
+        if len(dtypes) == 1 and int(count_nonfinite(new_all, dtypes.pop())) == 0:
+            return
+        self._raise_nonfinite([(name, count_nonfinite(new_all[a:b], self._dtype(self.params[name])))
+                               for name, a, b, _ in changed])
 
-__all__ = ["AdamWUpdate", "ChunkDelta", "ChunkHook", "ChunkedStepError", "DeltaRecorder", "TensorChanges",
-           "UnknownParameterError", "Update", "chunked_step"]
+    @staticmethod
+    def _raise_nonfinite(counts: list[tuple[str, torch.Tensor]]) -> None:
+        if not counts:
+            return
+        values = torch.stack([c for _, c in counts]).tolist()
+        per_name: dict[str, int] = {}
+        for (name, _), value in zip(counts, values, strict=True):
+            if value:
+                per_name[name] = per_name.get(name, 0) + value
+        if per_name:
+            first = ", ".join(f"{name} {n}" for name, n in list(per_name.items())[:3])
+            raise NonFiniteChangesError(f"the step wrote {sum(per_name.values())} NaN or infinite values in "
+                                        f"{len(per_name)} tensors ({first}{', ...' if len(per_name) > 3 else ''})")
+
+
+__all__ = ["AdamWUpdate", "ChunkDelta", "ChunkHook", "ChunkedStepError", "DeltaRecorder", "NonFiniteChangesError",
+           "TensorChanges", "UnknownParameterError", "Update", "chunked_step"]

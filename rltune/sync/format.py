@@ -114,6 +114,10 @@ class WeightChangedOutsideStepError(SyncFormatError):
     """A trainer weight changed outside the optimizer step, so a delta would miss that change."""
 
 
+class NonFiniteWeightsError(SyncFormatError):
+    """Weights a publish would send are NaN or infinite; nothing of the step was written."""
+
+
 class UpdateFailedError(SyncFormatError):
     """The update failed on another worker of this TP group; every worker reloads next time."""
 

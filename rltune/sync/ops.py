@@ -67,6 +67,21 @@ def apply_mapped_delta_ref(target_bits_N: torch.Tensor, pos_C: torch.Tensor, dif
     return checksum_update_ref(ckpt_idx_C, old, new)
 
 
+# A value's wire bits hold inf or NaN when all these bits are set: the exponent field (float8_e4m3fn
+# has no inf and its one NaN pattern is S.1111.111, so all seven bits below the sign).
+NONFINITE_BITS = {torch.float32: 0x7F800000, torch.bfloat16: 0x7F80, torch.float16: 0x7C00,
+                  torch.float8_e5m2: 0x7C, torch.float8_e4m3fn: 0x7F}
+
+
+def count_nonfinite(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """How many elements of ``bits`` (wire bits of ``dtype``, signed or unsigned view) are inf or NaN,
+    as a 0-dim int64 tensor on their device (no host sync). Zero for a dtype that is not floating."""
+    mask = NONFINITE_BITS.get(dtype)
+    if mask is None:
+        return torch.zeros((), dtype=torch.int64, device=bits.device)
+    return ((bits & mask) == mask).sum()
+
+
 def wire_bits(tensor: torch.Tensor, wire_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Wire bits of a tensor as sent: cast to ``wire_dtype`` first when it differs (fp32 master -> bf16)."""
     if wire_dtype is not None and tensor.dtype != wire_dtype:
@@ -74,4 +89,4 @@ def wire_bits(tensor: torch.Tensor, wire_dtype: torch.dtype | None = None) -> to
     return as_bits(tensor.detach().contiguous())
 
 
-__all__ = ["apply_mapped_delta_ref", "wire_add", "wire_bits", "wire_diff", "wire_width"]
+__all__ = ["NONFINITE_BITS", "apply_mapped_delta_ref", "count_nonfinite", "wire_add", "wire_bits", "wire_diff", "wire_width"]

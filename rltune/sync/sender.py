@@ -44,10 +44,16 @@ import torch
 from rltune.errors import RltuneError
 from rltune.sync import codec, store
 from rltune.sync import format as fmt
-from rltune.sync.chunked import DEFAULT_MAX_ELEMENTS, DeltaRecorder, UnknownParameterError, chunked_step
+from rltune.sync.chunked import (
+    DEFAULT_MAX_ELEMENTS,
+    DeltaRecorder,
+    NonFiniteChangesError,
+    UnknownParameterError,
+    chunked_step,
+)
 from rltune.sync.kernels import ChangeCapacityError, KernelBackendError, checksum_pairs
 from rltune.sync.kernels.reference import MASK64, checksum2_add, diff_ref
-from rltune.sync.ops import wire_bits, wire_diff, wire_width
+from rltune.sync.ops import count_nonfinite, wire_bits, wire_diff, wire_width
 
 DEFAULT_CHUNK_ELEMENTS = DEFAULT_MAX_ELEMENTS
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -181,6 +187,14 @@ class DeltaPublisher:
     published as bf16); by default each tensor goes in its own dtype. ``recorder``: the
     :class:`~rltune.sync.chunked.DeltaRecorder` of this rank's rows that :meth:`step` hands to the chunked
     optimizer step (``recorder.sink``: its change sink, None with the torch differ).
+
+    Nothing NaN or infinite is published: a step whose changes hold such values (a NaN loss or
+    gradient) makes the next publish a full checkpoint, and a full publish checks every weight it
+    would send; if any is not finite it raises :class:`~rltune.sync.format.NonFiniteWeightsError`
+    before writing anything, so the store and the engines keep the last good step. Restore finite
+    weights (the last good checkpoint) and publish again. A delta needs no pass over every weight:
+    the weights it leaves alone were finite when last published (the live check proves them
+    unchanged), and its changes were checked when the step recorded them.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, root: str | Path,
@@ -238,7 +252,7 @@ class DeltaPublisher:
         self._static_copy: dict[str, torch.Tensor] = {}
         self._pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # this rank's (idx, diff) pieces
         self.recorder = self._make_recorder(stepped)  # the optimizer step's hook: records this rank's changes
-        self._overflow = False  # the step changed more than the sink holds: publish it full
+        self._overflow = False  # the step changed more than the sink holds, or wrote non-finite values: publish it full
         self._stepped = False
         self._last_step: int | None = None
         self._last_attempt: str | None = None
@@ -325,8 +339,10 @@ class DeltaPublisher:
         the changes the next publish writes."""
         try:
             deltas = self.recorder.collect_deltas()
-        except ChangeCapacityError:
-            self._overflow = True  # the running checksums no longer follow the weights: the publish goes full
+        except (ChangeCapacityError, NonFiniteChangesError):
+            # the running checksums no longer follow the weights: the publish goes full, and a full
+            # publish refuses weights that are not finite
+            self._overflow = True
             return
         for d in deltas:
             self._checksums[d.name] = (self._checksums[d.name] + d.checksum_change) & MASK64
@@ -346,6 +362,20 @@ class DeltaPublisher:
                         "step's changes; a weight changed outside the optimizer step (in-place edit, "
                         "load_state_dict). Publish such a change as a full checkpoint: publisher.force_full()")
 
+    def _refuse_nonfinite(self, step: int, names: list[str]) -> None:
+        counts = {name: count_nonfinite(self._bits(name), self._wire_dtype(name)) for name in names}
+        device = next(iter(counts.values())).device if counts else None
+        values = torch.stack([c.to(device) for c in counts.values()]).tolist() if counts else []
+        bad = {name: n for name, n in zip(counts, values, strict=True) if n}
+        if bad:
+            first = ", ".join(f"{name} {n}" for name, n in list(bad.items())[:3])
+            held = "no step yet" if self._last_step is None else f"step {self._last_step}"
+            raise fmt.NonFiniteWeightsError(
+                f"step {step}: {sum(bad.values())} trainer weights in {len(bad)} tensors are NaN or infinite ({first}"
+                f"{', ...' if len(bad) > 3 else ''}); nothing of step {step} was written and the engines keep "
+                f"{held}. A NaN loss or gradient reached the optimizer step: restore finite weights (the last good "
+                "checkpoint) and publish again")
+
     def force_full(self) -> None:
         """Make the next publish a full checkpoint (after weights were changed outside the optimizer)."""
         self._stepped = False
@@ -357,11 +387,7 @@ class DeltaPublisher:
             raise fmt.ChainError(f"publish({step}) after publish({self._last_step}): steps must increase")
         step_dir = self.root / fmt.step_dir_name(step)
         attempt = self.attempt_id(step)
-        if self._last_step is None and self.rank == 0:
-            # a resumed (or restarted) trainer: steps above this one belong to a timeline it does not
-            # continue; readers must not take them for its latest
-            store.remove_after(self.root, step)
-        store.clean_leftovers(step_dir, self.rank, attempt, self.world)
+        # the checks that can refuse this publish come before anything in the store changes
         if self._stepped and self._last_step is not None and not self._overflow:
             kind = "anchor" if step % self.interval == 0 else "delta"
             self._verify_live(step)
@@ -369,6 +395,13 @@ class DeltaPublisher:
                 kind = "full"
         else:
             kind = "full"
+        if kind != "delta":  # an anchor's stepped tensors are its last publish plus checked changes
+            self._refuse_nonfinite(step, [n for n in self.first_names if kind == "full" or n in self.static_names])
+        if self._last_step is None and self.rank == 0:
+            # a resumed (or restarted) trainer: steps above this one belong to a timeline it does not
+            # continue; readers must not take them for its latest
+            store.remove_after(self.root, step)
+        store.clean_leftovers(step_dir, self.rank, attempt, self.world)
         base_step = None if kind == "full" else self._last_step
         base_attempt = None if kind == "full" else self._last_attempt
         header = dict(run_id=self.run_id, attempt=attempt, step=step, rank=self.rank, world=self.world)
@@ -431,6 +464,12 @@ class DeltaPublisher:
                 idx, new = diff_ref(self._static_copy[name], cur)
                 if idx.numel() == 0:
                     continue
+                bad = int(count_nonfinite(new, self._wire_dtype(name)))
+                if bad:
+                    raise fmt.NonFiniteWeightsError(
+                        f"step {header['step']}: {bad} values of {name} (a tensor the optimizer does not step) are NaN "
+                        f"or infinite; nothing of step {header['step']} was written and the engines keep step "
+                        f"{self._last_step}. Restore finite values and publish again")
                 old = self._static_copy[name][idx]
                 diff = wire_diff(old, new, wire_width(cur))
                 self._checksums[name], self._checksums2[name] = self._shares([name])[name]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 from types import SimpleNamespace
@@ -449,3 +450,109 @@ def test_the_publisher_takes_its_options_from_one_config_and_refuses_unknown_one
     assert DeltaPublisher(model, opt, tmp_path / "b", 3, config=cfg).interval == 3  # a shorthand overrides it
     with pytest.raises(PublisherConfigError, match="unknown option 'intervall'"):
         DeltaPublisher(model, opt, tmp_path / "c", intervall=3)
+
+
+def _nan_step(tr, name, positions):
+    # a real backward whose gradient is NaN at a few elements of one tensor: AdamW writes NaN exactly there
+    ids = torch.randint(0, 128, (2, 16), generator=tr.gen)
+    tr.model(input_ids=ids, labels=ids).loss.backward()
+    grad = tr.model.get_parameter(name).grad.view(-1)
+    grad[positions] = float("nan")
+    tr.pub.step()
+    tr.opt.zero_grad()
+
+
+@pytest.mark.parametrize("differ", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not KERNELS_RUN, reason="the diff kernels on CPU tensors need TRITON_INTERPRET=1"))])
+def test_a_step_that_wrote_nan_is_refused_and_the_store_and_engine_keep_the_last_good_step(tmp_path, differ):
+    tr = Trainer(tmp_path, interval=10, lr=1e-5, differ=differ, change_capacity=1.0)
+    cfg = engine_cfg(tr)
+    m0 = tr.pub.publish(0)
+    engine, rx = make_receiver(tmp_path, cfg, m0)
+    rx.apply(0)
+    tr.train_step()
+    assert tr.pub.publish(1)["kind"] == "delta"
+    rx.apply(1)
+    good_model = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    good_opt = copy.deepcopy(tr.opt.state_dict())
+    files_before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    name = "model.layers.0.mlp.up_proj.weight"
+    _nan_step(tr, name, [0, 7, 123])
+    with pytest.raises(fmt.NonFiniteWeightsError) as err:
+        tr.pub.publish(2)
+    message = str(err.value)
+    assert "step 2: 3 trainer weights in 1 tensors are NaN or infinite" in message
+    assert f"{name} 3" in message and "the engines keep step 1" in message
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == files_before  # nothing written or removed
+    assert BroadcastStore(tmp_path).complete_steps() == [0, 1]
+    assert rx.load_latest().step == 1  # the engine stays on the last good step
+    assert_same_params(engine, reference_engine(cfg, {k: v.detach() for k, v in good_model.items()}))
+    with pytest.raises(fmt.NonFiniteWeightsError):  # refused again while the weights are not restored
+        tr.pub.publish(2)
+    tr.model.load_state_dict(good_model)
+    tr.opt.load_state_dict(good_opt)
+    m2 = tr.pub.publish(2)  # restored: a full checkpoint, the running checksums start again from it
+    assert m2["kind"] == "full"
+    assert rx.apply(2).action == "reload"
+    tr.train_step()
+    assert tr.pub.publish(3)["kind"] == "delta"
+    rx.apply(3)
+    assert_same_params(engine, reference_engine(cfg, tr.wire_state()))
+
+
+def test_a_boot_checkpoint_with_an_infinite_weight_is_refused_before_the_store_changes(tmp_path):
+    stale = tmp_path / fmt.step_dir_name(9)  # a step of an earlier timeline that a boot publish would remove
+    stale.mkdir(parents=True)
+    (stale / "rank-00000.delta").write_bytes(b"earlier")
+    tr = Trainer(tmp_path)
+    with torch.no_grad():
+        tr.model.model.norm.weight[2] = float("inf")
+        tr.model.lm_head.weight[0, :2] = float("-inf")
+    with pytest.raises(fmt.NonFiniteWeightsError,
+                       match="step 0: 3 trainer weights in 2 tensors .* the engines keep no step yet"):
+        tr.pub.publish(0)
+    assert [p.name for p in tmp_path.iterdir()] == [stale.name] and (stale / "rank-00000.delta").exists()
+
+
+def test_a_frozen_tensor_turned_nan_is_refused_in_a_delta_and_published_once_restored(tmp_path):
+    model = tiny_qwen3()
+    frozen = model.model.norm.weight
+    opt = torch.optim.AdamW([p for p in model.parameters() if p is not frozen], lr=1e-3)
+    pub = DeltaPublisher(model, opt, tmp_path, interval=10, run_id="r", chunk_elements=500)
+    pub.publish(0)
+    ids = torch.randint(0, 128, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    pub.step()
+    kept = frozen.detach().clone()
+    with torch.no_grad():
+        frozen[4] = float("nan")
+    with pytest.raises(fmt.NonFiniteWeightsError, match="step 1: 1 values of model.norm.weight .* keep step 0"):
+        pub.publish(1)
+    assert BroadcastStore(tmp_path).complete_steps() == [0]
+    with torch.no_grad():
+        frozen.copy_(kept)
+    assert pub.publish(1)["kind"] == "delta"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2,
+                                   torch.float8_e4m3fn])
+def test_count_nonfinite_matches_isfinite_on_every_edge_value_of_each_wire_dtype(dtype):
+    from rltune.sync.kernels.reference import as_bits, unsigned
+    from rltune.sync.ops import count_nonfinite
+
+    info = torch.finfo(dtype)
+    values = torch.tensor([0.0, -0.0, 1.0, -1.0, info.max, -info.max, info.tiny, -info.tiny, info.tiny / 4,
+                           info.eps, float("inf"), float("-inf"), float("nan"), -float("nan")])
+    x = values.to(dtype)
+    # every bit pattern of the 8- and 16-bit dtypes, the edge values of float32
+    if x.element_size() <= 2:
+        width = 8 * x.element_size()
+        patterns = torch.arange(1 << width, dtype=torch.int32)
+        patterns = torch.where(patterns >= 1 << (width - 1), patterns - (1 << width), patterns)
+        x = patterns.to(torch.int8 if width == 8 else torch.int16).view(dtype)
+    bits = as_bits(x)
+    want = int((~torch.isfinite(x.float())).sum())
+    assert want > 0
+    assert int(count_nonfinite(bits, dtype)) == want
+    assert int(count_nonfinite(unsigned(bits).to(torch.int32), dtype)) == want  # the sink's unsigned wire bits
+    assert int(count_nonfinite(bits, torch.int32)) == 0  # a dtype that is not floating: nothing to count
