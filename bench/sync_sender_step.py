@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             plain = list(arms["plain"][0].parameters())
             loss = arms["plain"][0](input_ids=ids, labels=ids).loss
             loss.backward()
+            loss = loss.detach()
+            nonfinite_grads = torch.stack([(~q.grad.isfinite()).sum() for q in plain if q.grad is not None]).sum()
             for name, (model, _, _) in arms.items():
                 for p, q in zip(model.parameters(), plain, strict=True):
                     if not torch.equal(p.view(torch.int16), q.view(torch.int16)):
@@ -140,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                     kind = arms[name][2].publish(step)["kind"]
                 except fmt.NonFiniteWeightsError as exc:
                     raise SystemExit(f"the {name} publisher refused the step ({exc}); the step's loss was "
-                                     f"{float(loss):.4g}: run fewer steps or a lower --lr") from None
+                                     f"{float(loss):.4g} and its backward left {int(nonfinite_grads)} gradients "
+                                     "NaN or infinite: run fewer steps or a lower --lr") from None
                 step_dir = Path(tmp) / name / fmt.step_dir_name(step)
                 parts[name] = (kind, {p.name: p.read_bytes() for p in sorted(step_dir.glob("rank-*"))})
             kinds = {name: (kind, "overflowed" if overflowed[name] else "") for name, (kind, _) in parts.items()}
