@@ -63,7 +63,7 @@ import torch
 from rltune.errors import RltuneError
 from rltune.sync.kernels import ChangeSink, PackedGroup, checksum2_span_changes, diff_extract
 from rltune.sync.kernels.reference import MASK64, adamw_beta_powers
-from rltune.sync.ops import count_nonfinite, wire_bits, wire_diff, wire_width
+from rltune.sync.ops import NONFINITE_BITS, count_nonfinite, wire_bits, wire_diff, wire_width
 
 DEFAULT_MAX_ELEMENTS = 1 << 26
 
@@ -472,13 +472,23 @@ class DeltaRecorder:
         return out
 
     def _check_finite(self, changed: list[tuple[str, int, int, int]], new_all: torch.Tensor) -> None:
-        # one pass over the step's new values when every changed chunk has the same wire dtype (the usual
-        # case); the chunks one by one only when they differ or a count is needed for the message
-        dtypes = {self._dtype(self.params[name]) for name, _, _, _ in changed}
-        if len(dtypes) == 1 and int(count_nonfinite(new_all, dtypes.pop())) == 0:
+        # One pass over the step's new values (the changed chunks follow one another in the sink): with
+        # one wire dtype its mask, with several a mask per change. Chunk by chunk only for the message.
+        if not changed:
             return
-        self._raise_nonfinite([(name, count_nonfinite(new_all[a:b], self._dtype(self.params[name])))
-                               for name, a, b, _ in changed])
+        dtypes = [self._dtype(self.params[name]) for name, _, _, _ in changed]
+        first, last = changed[0][1], changed[-1][2]
+        values = new_all[first:last]
+        if len(set(dtypes)) == 1:
+            bad = count_nonfinite(values, dtypes[0])
+        else:
+            masks = torch.tensor([NONFINITE_BITS.get(d, 0) for d in dtypes], dtype=new_all.dtype)
+            lengths = torch.tensor([b - a for _, a, b, _ in changed])
+            mask_C = torch.repeat_interleave(masks, lengths).to(new_all.device)
+            bad = (((values & mask_C) == mask_C) & (mask_C != 0)).sum()
+        if int(bad):
+            self._raise_nonfinite([(name, count_nonfinite(new_all[a:b], d))
+                                   for (name, a, b, _), d in zip(changed, dtypes, strict=True)])
 
     @staticmethod
     def _raise_nonfinite(counts: list[tuple[str, torch.Tensor]]) -> None:

@@ -556,3 +556,41 @@ def test_count_nonfinite_matches_isfinite_on_every_edge_value_of_each_wire_dtype
     assert int(count_nonfinite(bits, dtype)) == want
     assert int(count_nonfinite(unsigned(bits).to(torch.int32), dtype)) == want  # the sink's unsigned wire bits
     assert int(count_nonfinite(bits, torch.int32)) == 0  # a dtype that is not floating: nothing to count
+
+
+@pytest.mark.skipif(not KERNELS_RUN, reason="the diff kernels on CPU tensors need TRITON_INTERPRET=1")
+def test_the_sink_checks_each_change_with_its_own_wire_dtype(tmp_path):
+    # fp32 and bf16 tensors in one step: ~1 in 256 finite fp32 changes have a low half that matches
+    # bf16's 0x7F80, so reading a change in the wrong dtype refuses finite steps, and NaN fp32 bits
+    # (0x7FC00000) read as bf16 pass; finite steps must stay deltas and a NaN in each dtype be counted
+    model = tiny_qwen3()
+    gen = torch.Generator().manual_seed(3)
+    model.lm_head.float()  # 4096 fp32 elements, stepped in chunks of their own
+    with torch.no_grad():  # fp32 values of their own (bf16 ones cast up have a zero low half)
+        model.lm_head.weight.copy_(torch.randn(model.lm_head.weight.shape, generator=gen) * 0.02)
+    model.model.norm.float()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    pub = DeltaPublisher(model, opt, tmp_path, interval=10, run_id="r", differ="triton", change_capacity=1.0,
+                         chunk_elements=1000)
+    assert pub.recorder.sink is not None
+
+    def step(nan: bool) -> None:
+        for p in model.parameters():
+            p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(p.dtype)
+        if nan:
+            model.lm_head.weight.grad[1, :2] = float("nan")  # fp32
+            model.get_parameter("model.layers.1.mlp.down_proj.weight").grad[0, 5] = float("inf")  # bf16
+        pub.step()
+        opt.zero_grad()
+
+    pub.publish(0)
+    for s in (1, 2, 3):
+        step(False)
+        assert not pub._overflow
+        assert pub.publish(s)["kind"] == "delta"
+    fp32_changes = sum(e["changes"] for e in _entries(tmp_path, 3) if e["name"] == "lm_head.weight")
+    assert fp32_changes > 3000  # ~12 of them match 0x7F80 in their low half
+    step(True)
+    assert pub._overflow
+    with pytest.raises(fmt.NonFiniteWeightsError, match=r"step 4: 3 trainer weights in 2 tensors .*lm_head.weight 2"):
+        pub.publish(4)
