@@ -185,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"dispatch-blocking update median {summary['dispatch_blocking_s']['median'] * 1e3:.1f} ms, "
           f"reload_weights median {summary['reload_weights_s']['median'] * 1e3:.0f} ms: {ratio:.1f}x; wrote {args.out}",
           file=sys.stderr)
+    if args.workdir is None:  # the boot, last step's checkpoint and the store: gigabytes at the larger sizes
+        shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 
