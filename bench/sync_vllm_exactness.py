@@ -150,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(record, indent=2))
     print(f"greedy equal {record['all_greedy_equal']}, bytes equal {record['all_bytes_equal']} over {args.steps} "
           f"steps; wrote {args.out}", file=sys.stderr)
+    if args.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
     return 0 if record["all_greedy_equal"] and record["all_bytes_equal"] else 1
 
 

@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -168,6 +169,8 @@ def main() -> int:
     print(f"weight_sync_s medians: full reload {full:.4f} s; "
           + ", ".join(f"{t} {summary[t]['weight_sync_s']['median']:.4f} s ({ratios[t]:.2f}x)" for t in ratios)
           + f"; {args.out}")
+    if args.workdir is None:  # every run's checkpoints and stores
+        shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 
