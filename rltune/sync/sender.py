@@ -455,6 +455,7 @@ class DeltaPublisher:
 
     def _delta_part(self, header: dict[str, Any]) -> bytes:
         names, jobs = [], []
+        static_now: list[tuple[str, torch.Tensor]] = []  # taken in only once every tensor passed its checks
         for name in self.first_names:
             lo, hi = self.ranges[name]
             if name in self.static_names:
@@ -472,8 +473,7 @@ class DeltaPublisher:
                         f"{self._last_step}. Restore finite values and publish again")
                 old = self._static_copy[name][idx]
                 diff = wire_diff(old, new, wire_width(cur))
-                self._checksums[name], self._checksums2[name] = self._shares([name])[name]
-                self._static_copy[name] = cur.clone()
+                static_now.append((name, cur))
                 idx = idx + lo
             else:
                 pieces = self._pending.get(name)
@@ -485,6 +485,9 @@ class DeltaPublisher:
             bits = self._wire_dtype(name).itemsize * 8 if hi > lo else 16
             names.append(name)
             jobs.append((idx.to(torch.int64), diff.to(torch.int64), bits, lo, hi))
+        for name, cur in static_now:
+            self._checksums[name], self._checksums2[name] = self._shares([name])[name]
+            self._static_copy[name] = cur.clone()
         blobs = self._encode(jobs)
         entries, offset = [], 0
         for name, (idx, _, _, lo, hi), blob in zip(names, jobs, blobs, strict=True):

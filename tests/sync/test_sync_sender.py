@@ -594,3 +594,33 @@ def test_the_sink_checks_each_change_with_its_own_wire_dtype(tmp_path):
     assert pub._overflow
     with pytest.raises(fmt.NonFiniteWeightsError, match=r"step 4: 3 trainer weights in 2 tensors .*lm_head.weight 2"):
         pub.publish(4)
+
+
+def test_a_refused_delta_keeps_the_frozen_changes_before_the_bad_tensor_for_the_next_publish(tmp_path):
+    # two frozen tensors change; the later one (in publish order) turns NaN: the refusal must not take
+    # in the earlier one's change, or the next publish would leave it out
+    model = tiny_qwen3()
+    first, later = model.model.layers[0].input_layernorm.weight, model.model.norm.weight
+    opt = torch.optim.AdamW([p for p in model.parameters() if p is not first and p is not later], lr=1e-3)
+    pub = DeltaPublisher(model, opt, tmp_path, interval=10, run_id="r", chunk_elements=500)
+    assert {"model.layers.0.input_layernorm.weight", "model.norm.weight"} <= set(pub.static_names)
+    m0 = pub.publish(0)
+    ids = torch.randint(0, 128, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    pub.step()
+    kept = later.detach().clone()
+    with torch.no_grad():
+        first[:3] += 0.5
+        later[1] = float("nan")
+    with pytest.raises(fmt.NonFiniteWeightsError, match="model.norm.weight"):
+        pub.publish(1)
+    with torch.no_grad():
+        later.copy_(kept)
+    assert pub.publish(1)["kind"] == "delta"
+    entry = next(e for e in _entries(tmp_path, 1) if e["name"] == "model.layers.0.input_layernorm.weight")
+    assert entry["changes"] == 3
+    cfg = engine_cfg(type("T", (), {"model": model})())
+    engine, rx = make_receiver(tmp_path, cfg, m0)
+    rx.apply(0)
+    rx.apply(1)
+    assert_same_params(engine, reference_engine(cfg, {k: v.detach() for k, v in model.state_dict().items()}))
