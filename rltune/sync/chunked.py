@@ -472,23 +472,27 @@ class DeltaRecorder:
         return out
 
     def _check_finite(self, changed: list[tuple[str, int, int, int]], new_all: torch.Tensor) -> None:
-        # One pass over the step's new values (the changed chunks follow one another in the sink): with
-        # one wire dtype its mask, with several a mask per change. Chunk by chunk only for the message.
+        # One pass over the step's new values (the changed chunks follow one another in the sink), each
+        # read with its chunk's wire-dtype mask; one host sync. Per chunk counts only when one is found.
         if not changed:
             return
-        dtypes = [self._dtype(self.params[name]) for name, _, _, _ in changed]
+        masks = [NONFINITE_BITS.get(self._dtype(self.params[name]), 0) for name, _, _, _ in changed]
         first, last = changed[0][1], changed[-1][2]
         values = new_all[first:last]
-        if len(set(dtypes)) == 1:
-            bad = count_nonfinite(values, dtypes[0])
+        if len(set(masks)) == 1:
+            mask = masks[0]  # one wire dtype: a scalar mask
+            if mask == 0:
+                return
         else:
-            masks = torch.tensor([NONFINITE_BITS.get(d, 0) for d in dtypes], dtype=new_all.dtype)
             lengths = torch.tensor([b - a for _, a, b, _ in changed])
-            mask_C = torch.repeat_interleave(masks, lengths).to(new_all.device)
-            bad = (((values & mask_C) == mask_C) & (mask_C != 0)).sum()
-        if int(bad):
-            self._raise_nonfinite([(name, count_nonfinite(new_all[a:b], d))
-                                   for (name, a, b, _), d in zip(changed, dtypes, strict=True)])
+            mask = torch.repeat_interleave(torch.tensor(masks, dtype=new_all.dtype), lengths).to(new_all.device)
+        flags = ((values & mask) == mask) & (mask != 0)
+        if not bool(flags.any()):
+            return
+        ends = torch.tensor([b - first for _, _, b, _ in changed], device=flags.device)
+        totals = torch.nn.functional.pad(flags.cumsum(0), (1, 0))[ends]
+        counts = totals - torch.nn.functional.pad(totals[:-1], (1, 0))
+        self._raise_nonfinite([(name, c) for (name, _, _, _), c in zip(changed, counts, strict=True)])
 
     @staticmethod
     def _raise_nonfinite(counts: list[tuple[str, torch.Tensor]]) -> None:
