@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         row = dict(step=step, warmup=step <= args.warmup, forward_backward_s=t1 - t0, optimizer_step_s=t2 - t1,
                    publish_s=t3 - t2, save_checkpoint_s=t4 - t3, delta_bytes=sum(f["bytes"] for f in manifest["parts"]),
                    changes=update.changes, changed_frac=update.changes / n_params, action=update.action,
-                   prefetched=update.prefetched, prefetch_s=worker.get("prefetch_s"),
+                   prefetched=update.prefetched, prestaged=step in worker.get("prestaged", []),
+                   prefetch_s=worker.get("prefetch_s"),
                    pause_s=update.pause_s, apply_s=update.apply_s, resume_s=update.resume_s,
                    dispatch_blocking_s=update.dispatch_blocking_s, worker_update_s=worker["worker_s"],
                    reload_weights_s=reload_s, generate_with_prefetch_s=gen_with_prefetch_s,
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         engine=dict(boot_s=boot_a_s, attach=attach), summary_over="steps after --warmup (min/median/max)",
         summary=summary, reload_over_update_median=ratio,
         greedy_equal_to_reload=all(r["greedy_equal_to_reload"] for r in rows),
-        all_prefetched=all(r["prefetched"] for r in rows), rows=rows)
+        all_prefetched=all(r["prefetched"] for r in rows), all_prestaged=all(r["prestaged"] for r in rows), rows=rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2))
     print(f"dispatch-blocking update median {summary['dispatch_blocking_s']['median'] * 1e3:.1f} ms, "

@@ -78,6 +78,7 @@ class UpdateReport:
     deltas: list[int] = field(default_factory=list)
     changes_applied: int = 0
     seconds: float = 0.0
+    prestaged: list[int] = field(default_factory=list)  # deltas whose reads were done while serving (CPU)
     phases: dict[str, float] = field(default_factory=dict)  # seconds: plan, check, read, write, verify
     fallbacks: list[dict[str, Any]] = field(default_factory=list)  # anchors that failed before the one loaded
 
@@ -119,6 +120,8 @@ class DeltaReceiver:
         self._static_key: tuple | None = None
         self._names: list[str] = []
         self._prefetched: dict[tuple[str, int, str], Any] = {}
+        self._writes = 0  # writes begun (anchor loads and deltas): a patch staged before one is stale
+        self._prestaged: list[int] = []  # this update's deltas stored from a patch staged while serving
         # fused: one multi-tensor kernel launch per delta (rltune.sync.kernels.ApplyPlan) with the
         # changes staged on the device at prefetch; None = when the parameters are on a GPU.
         self._fused = (self.params[0].device.type == "cuda") if fused is None else fused
@@ -351,11 +354,12 @@ class DeltaReceiver:
                                                          torch.from_numpy(hdiff[sel]), torch.from_numpy(hidx[sel])))
         return changes
 
-    def _stage_changes(self, step: int, m: dict) -> dict[str, Any]:
+    def _stage_changes(self, step: int, m: dict, prestage: bool = False) -> dict[str, Any]:
         """A delta step's changes for the fused kernel, as one flat batch already on the device.
 
         Entries follow the parts; each names a layout (checkpoint tensor; a tied tensor gets its
         own entry with the same changes); the kernel skips changes this worker does not hold.
+        ``prestage`` (the prefetch): also stage the patch itself where the backend can (:meth:`_prestage`).
         """
         self._fused_plan(m)
         layouts, idx_parts, val_parts = [], [], []
@@ -376,7 +380,22 @@ class DeltaReceiver:
         if dev.type == "cuda":
             host = {k: v.pin_memory().to(dev, non_blocking=True) for k, v in host.items()}
             torch.cuda.current_stream(dev).synchronize()  # staged before the pause; the pinned copies may go
-        return dict(host, entry_names=[self._plan_names[li] for li in layouts])
+        staged = dict(host, entry_names=[self._plan_names[li] for li in layouts])
+        if prestage:
+            staged.update(self._prestage(m, host))
+        return staged
+
+    def _prestage(self, m: dict, host: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """CPU (compiled pass): read the delta against the weights held now, while the engine serves, so
+        that the pause only stores (:meth:`ApplyPlan.stage`). Only for a delta on the very weights held:
+        the patch is keyed by them and by the writes begun so far, and any write after makes it stale."""
+        plan = self._apply_plan
+        key = (self._writes, self.held)  # taken before the reads: a write that overlaps them bumps _writes
+        if not plan.numba or key[1] is None or key[1] != (m["run_id"], m["base_step"], m["base_attempt"]):
+            return {}
+        patch = plan.stage(host["entry_tensor_E"], host["entry_offsets_E1"], host["idx_C"], host["val_C"], add=True,
+                           mix=True, threads=1)  # one thread: the engine serves on the other cores meanwhile
+        return dict(patch=patch, patch_key=key, patch_plan=plan)
 
     # ------------------------------------------------------------------------- public API
 
@@ -391,7 +410,7 @@ class DeltaReceiver:
             m = self.store.manifest(step)
             if m["kind"] == "full":
                 return False
-            staged = self._stage_changes(step, m) if self._fused else self._read_changes(step, m)
+            staged = self._stage_changes(step, m, prestage=True) if self._fused else self._read_changes(step, m)
             self._prefetched = {(m["run_id"], step, m["attempt"]): staged}
             return True
         except Exception as e:  # the contract: a bool, whatever the step holds
@@ -471,6 +490,7 @@ class DeltaReceiver:
         if "error" in plan:
             raise plan["error"]  # nothing was written: the engine stays as it was
         report = UpdateReport(plan["action"], plan["target"], phases=phases)
+        self._prestaged = report.prestaged
         if plan["action"] == "none":
             return report
         mans = timed("check", lambda: self._group_phase(lambda: self._snapshot(plan["attempts"]), "reading manifests"))
@@ -511,6 +531,7 @@ class DeltaReceiver:
             staged = timed("read", lambda: self._group_phase(lambda: self._read_anchor(anchor, m),
                                                              f"reading step {anchor}'s anchor"))
             self.valid = False
+            self._writes += 1
             timed("write", lambda: self._group_phase(lambda: self._write_anchor(anchor, staged),
                                                      f"writing step {anchor}'s anchor"))
             timed("verify", lambda: self._verify(anchor, m))
@@ -518,7 +539,10 @@ class DeltaReceiver:
             m = mans[step]
             staged = timed("read", lambda s=step, m=m: self._group_phase(lambda: self._staged_delta(s, m),
                                                                          f"reading step {s}'s delta"))
+            if self._fused and staged.pop("patch_key", None) != (self._writes, self.held):
+                staged.pop("patch", None)  # staged against weights written since: apply it in full
             self.valid = False
+            self._writes += 1
             applied += timed("write", lambda s=step, st=staged, m=m: self._group_phase(
                 lambda: self._apply_delta(s, st, m), f"applying step {s}'s delta"))
             timed("verify", lambda s=step, m=m: self._verify(s, m))
@@ -557,8 +581,13 @@ class DeltaReceiver:
     def _apply_fused(self, step: int, staged: dict[str, Any], m: dict) -> int:
         """One kernel launch patches every tensor; one host sync reads the per-entry changes of both checksums."""
         plan = self._fused_plan(m)
-        result = plan.apply(staged["entry_tensor_E"], staged["entry_offsets_E1"], staged["idx_C"], staged["val_C"],
-                            add=True, mix=True)
+        patch = staged.get("patch") if staged.get("patch_plan") is plan else None  # a rebuilt plan: stale positions
+        if patch is not None:
+            result = plan.store(patch)
+            self._prestaged.append(step)
+        else:
+            result = plan.apply(staged["entry_tensor_E"], staged["entry_offsets_E1"], staged["idx_C"],
+                                staged["val_C"], add=True, mix=True)
         changes, written = result.to_host()
         changes2 = result.checksums2()
         for name, change, change2 in zip(staged["entry_names"], changes, changes2, strict=True):

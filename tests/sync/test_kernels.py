@@ -377,12 +377,30 @@ def _delta(layout_rows: int, ncols: int, entries: list[int], fraction: float, se
     return torch.tensor(entries), torch.tensor(offsets), idx, val
 
 
-# the Triton kernel (a GPU, or the interpreter on CI) and the compiled CPU pass CPU engines use
-FUSED_BACKENDS = ["triton", "numba"]
+# the Triton kernel (a GPU, or the interpreter on CI), the compiled CPU pass CPU engines use, and
+# that pass in two halves (staged while the engine serves, stored in the pause)
+FUSED_BACKENDS = ["triton", "numba", "numba-staged"]
 
 
 def _fused_device(backend: str) -> str:
-    return "cpu" if backend == "numba" else DEVICE
+    return "cpu" if backend.startswith("numba") else DEVICE
+
+
+class _StagedPlan:
+    """``ApplyPlan.stage`` then ``store`` behind ``apply``'s signature; staging must write nothing."""
+
+    def __init__(self, params, layouts):
+        self.params, self.plan = params, K.ApplyPlan(params, layouts, backend="numba")
+
+    def apply(self, *args, **kwargs):
+        before = [p.clone() for p in self.params]
+        patch = self.plan.stage(*args, **kwargs)
+        assert all(torch.equal(p, b) for p, b in zip(self.params, before, strict=True)), "stage wrote a target"
+        return self.plan.store(patch)
+
+
+def _fused_plan(params, layouts, backend):
+    return _StagedPlan(params, layouts) if backend == "numba-staged" else K.ApplyPlan(params, layouts, backend=backend)
 
 
 @pytest.mark.parametrize("mix", [False, True])
@@ -411,7 +429,7 @@ def test_fused_apply_equals_reference_with_strides_tables_and_mixed_widths(add, 
     if not add:
         layouts[4] = K.table_layout(0, ncols, shuffled_rows, cols)
     ref_params = [p.cpu().clone() for p in params]
-    plan = K.ApplyPlan(params, layouts, backend=backend)
+    plan = _fused_plan(params, layouts, backend)
     got = plan.apply(entry_tensor, offsets, idx, val, add=add, mix=mix)
     want = R.apply_deltas_ref(ref_params, layouts, entry_tensor, offsets, idx, val, add, mix=mix)
     want_sums, want_written = want[:2]
@@ -436,7 +454,7 @@ def test_fused_apply_blocks_within_one_entry_take_the_contiguous_path_exactly(ad
     val = random_bits(idx.numel(), 16, seed=4, device="cpu").to(torch.int32)
     entry_tensor, offsets = torch.tensor([0, 1]), torch.tensor([0, 3000, idx.numel()])
     ref = [params[0].cpu().clone()]
-    got = K.ApplyPlan(params, layouts, backend=backend).apply(entry_tensor, offsets, idx, val, add=add, mix=True)
+    got = _fused_plan(params, layouts, backend).apply(entry_tensor, offsets, idx, val, add=add, mix=True)
     want_sums, want_written, want_mix = R.apply_deltas_ref(ref, layouts, entry_tensor, offsets, idx, val, add, mix=True)
     assert got.checksums() == want_sums and got.written() == want_written and got.checksums2() == want_mix
     assert torch.equal(params[0].cpu(), ref[0])
@@ -470,7 +488,7 @@ def test_fused_apply_checksum2_at_the_edges_of_its_bounds(add, backend, width):
     ref = [p.clone() for p in params]
     before = R.checksum2_ref(params[0], r0 * 4096)
     params = [p.to(dev) for p in params]
-    got = K.ApplyPlan(params, layouts, backend=backend).apply(torch.arange(3), offsets, idx, val, add=add, mix=True)
+    got = _fused_plan(params, layouts, backend).apply(torch.arange(3), offsets, idx, val, add=add, mix=True)
     want_sums, want_written, want_mix = R.apply_deltas_ref(ref, layouts, torch.arange(3), offsets, idx, val, add,
                                                           mix=True)
     assert got.checksums2() == want_mix and got.checksums() == want_sums and got.written() == want_written
@@ -482,7 +500,7 @@ def test_fused_apply_checksum2_at_the_edges_of_its_bounds(add, backend, width):
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)
 def test_fused_apply_with_no_changes_and_one_change(backend):
     params = [random_bits(100, 16, seed=1, device=_fused_device(backend))]
-    plan = K.ApplyPlan(params, [K.strided_layout(0, [10, 10])], backend=backend)
+    plan = _fused_plan(params, [K.strided_layout(0, [10, 10])], backend)
     empty = plan.apply(torch.tensor([0]), torch.tensor([0, 0]), torch.zeros(0, dtype=torch.int64),
                        torch.zeros(0, dtype=torch.int32))
     assert empty.checksums() == [0] and empty.written() == [0]
@@ -641,11 +659,26 @@ def test_the_compiled_cpu_apply_splits_a_large_delta_over_two_threads_exactly():
     entry_tensor, offsets, idx, val = _delta(400, 512, [0, 1, 2], 0.3, seed=9, width=16)
     assert offsets[-1] > (1 << 16)
     ref = [p.clone() for p in params]
-    from rltune.sync.kernels.cpu_kernels import apply_deltas_cpu
+    from rltune.sync.kernels.cpu_kernels import apply_deltas_cpu, stage_deltas_cpu, store_staged_cpu
 
+    staged_params = [p.clone() for p in params]
     sums, written, mixes = apply_deltas_cpu(params, layouts, entry_tensor, offsets, idx, val, add=True, threads=2,
                                             mix=True)
     want_sums, want_written, want_mix = R.apply_deltas_ref(ref, layouts, entry_tensor, offsets, idx, val, True, mix=True)
     assert [s & R.MASK64 for s in sums] == want_sums and written == want_written and mixes == want_mix
     for p, r in zip(params, ref, strict=True):
         assert torch.equal(p, r)
+    # the same delta staged and stored, each half over two threads
+    (sums, written, mixes), pos, new = stage_deltas_cpu(staged_params, layouts, entry_tensor, offsets, idx, val,
+                                                        add=True, threads=2, mix=True)
+    assert [s & R.MASK64 for s in sums] == want_sums and written == want_written and mixes == want_mix
+    assert int((pos >= 0).sum()) == sum(want_written) == idx.numel()
+    store_staged_cpu(staged_params, layouts, entry_tensor, offsets, pos, new, threads=2)
+    for p, r in zip(staged_params, ref, strict=True):
+        assert torch.equal(p, r)
+
+
+def test_stage_and_store_are_the_compiled_cpu_pass_only():
+    plan = K.ApplyPlan([random_bits(10, 16, seed=1)], [K.strided_layout(0, [10])], backend="torch")
+    with pytest.raises(K.KernelBackendError, match="numba"):
+        plan.stage(torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([1]), torch.tensor([1], dtype=torch.int32))

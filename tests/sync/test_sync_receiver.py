@@ -83,6 +83,8 @@ def test_a_late_joiner_ends_bit_identical_to_a_follower(tmp_path, kind, path):
         assert rx.prefetch(s)
         report = rx.apply(s)
         assert report.action == "delta" and report.changes_applied > 0
+        # the compiled CPU pass stages the patch while serving; the pause only stores it
+        assert report.prestaged == ([s] if path == "fused-numba" else [])
     joiner, rj = make_receiver(tmp_path, cfg, m0, **_apply_path(path))
     report = rj.load_latest()
     assert (report.action, report.anchor, report.deltas) == ("reload", 4, [5, 6])  # joins at a non-anchor step
@@ -90,6 +92,19 @@ def test_a_late_joiner_ends_bit_identical_to_a_follower(tmp_path, kind, path):
     assert_same_params(follower, ref)
     assert_same_params(joiner, ref)
     assert rx.anchor_loads == 1 and rx.deltas_applied == 6
+
+
+def test_a_patch_staged_before_another_write_is_applied_in_full(run, tmp_path):
+    # staged against step 3, but the reload writes anchor 3 (and step 4 replays on it): the staged
+    # patch is dropped and step 4 applied from its changes
+    engine, rx = _receiver_at(run, run["root"], 3, fused=True, fused_backend="numba")
+    assert rx.prefetch(4)
+    assert rx._prefetched and "patch" in next(iter(rx._prefetched.values()))
+    report = rx._update(lambda: rx._plan(4, force_reload=True))
+    assert (report.action, report.anchor, report.deltas, report.prestaged) == ("reload", 3, [4], [])
+    _assert_at(run, engine, 4)
+    assert rx.prefetch(5) and rx.apply(5).prestaged == [5]
+    _assert_at(run, engine, 5)
 
 
 def test_applying_the_held_step_again_is_a_no_op(run, tmp_path):

@@ -69,6 +69,7 @@ def test_prefetch_while_serving_then_update_matches_a_fresh_engine_every_step(tm
         summary = rx.update(step)
         assert (summary.step, summary.action, summary.prefetched) == (step, "delta", True)
         assert summary.changes > 0 and summary.dispatch_blocking_s > 0
+        assert summary.workers[0]["prestaged"] == [step]  # a CPU engine's pause only stored the staged patch
         fresh = start_engine(trainer.save())
         assert greedy(llm) == greedy(fresh)
         assert_same_weights(rx.weights(tensors=True), reference_weights(fresh))

@@ -19,6 +19,7 @@ API::
     idx, new, old = sink.step_changes()              # all chunks' changes, in append order
     plan = ApplyPlan(params, layouts)                # device tables + compile, once per index map
     result = plan.apply(entry_tensor_E, entry_offsets_E1, idx_C, val_C, add=True)
+    patch = plan.stage(...same args...); result = plan.store(patch)   # CPU (numba): read while serving, store in the pause
     apply_mapped_delta(target_bits, pos_C, diff_C, ckpt_idx_C) -> int   # receiver's apply_fn
 
 Layouts (one dict per checkpoint tensor, see :func:`strided_layout`, :func:`table_layout` and
@@ -695,6 +696,26 @@ class ApplyResult:
         return [checksum2_pack(int(a), int(b)) for a, b in zip(host[2].tolist(), host[3].tolist(), strict=True)]
 
 
+def _host_result(out: tuple[list[int], ...], mix: bool) -> ApplyResult:
+    sums, written = out[0], out[1]
+    rows = [[s - (1 << 64) if s >= 1 << 63 else s for s in sums], written]
+    if mix:
+        rows += [[m >> 32 for m in out[2]], [m & 0xFFFFFFFF for m in out[2]]]
+    return ApplyResult(torch.tensor(rows, dtype=torch.int64).reshape(len(rows), -1))
+
+
+@dataclass
+class StagedPatch:
+    """A delta read against the targets but not written (:meth:`ApplyPlan.stage`): per change the target
+    position (-1: not held) and the bits to store, and the apply's result, computed from those reads."""
+
+    entry_tensor_E: torch.Tensor
+    entry_offsets_E1: torch.Tensor
+    pos_C: torch.Tensor
+    new_C: torch.Tensor
+    result: ApplyResult
+
+
 class ApplyPlan:
     """Device tables of one index map for the fused apply kernel; built, and its kernel compiled, once.
 
@@ -756,11 +777,7 @@ class ApplyPlan:
               val_C: torch.Tensor, add: bool = True, mix: bool = False) -> ApplyResult:
         """Patch one delta in place (see ``apply_deltas_ref``); returns per-entry checksum change and count,
         and with ``mix`` the checksum2 lane changes too (:meth:`ApplyResult.checksums2`)."""
-        if entry_offsets_E1.numel() != entry_tensor_E.numel() + 1:
-            raise KernelError(f"entry_offsets needs {entry_tensor_E.numel() + 1} values (entries + 1), "
-                              f"got {entry_offsets_E1.numel()}")
-        if idx_C.numel() != val_C.numel():
-            raise KernelError(f"{idx_C.numel()} indices but {val_C.numel()} values")
+        self._check_changes(entry_tensor_E, entry_offsets_E1, idx_C, val_C)
         if not self.triton:
             if self.numba:
                 from rltune.sync.kernels.cpu_kernels import apply_deltas_cpu
@@ -770,11 +787,7 @@ class ApplyPlan:
             else:
                 out = apply_deltas_ref(self.targets, self.layouts, entry_tensor_E, entry_offsets_E1, idx_C, val_C, add,
                                        mix=mix)
-            sums, written = out[0], out[1]
-            rows_ = [[s - (1 << 64) if s >= 1 << 63 else s for s in sums], written]
-            if mix:
-                rows_ += [[m >> 32 for m in out[2]], [m & 0xFFFFFFFF for m in out[2]]]
-            return ApplyResult(torch.tensor(rows_, dtype=torch.int64).reshape(len(rows_), -1))
+            return _host_result(out, mix)
         dev = self.device
         entry_tensor_E = entry_tensor_E.to(dev, torch.int64)
         entry_offsets_E1 = entry_offsets_E1.to(dev, torch.int64)
@@ -796,6 +809,39 @@ class ApplyPlan:
             sums.zero_()  # queued after the copy: ready for the next apply, off its critical path
         host_2E = host.view(n_rows, rows)[:, :n_entries]
         return ApplyResult(host_2E, torch.cuda.current_stream(dev) if dev.type == "cuda" else None)
+
+    def stage(self, entry_tensor_E: torch.Tensor, entry_offsets_E1: torch.Tensor, idx_C: torch.Tensor,
+              val_C: torch.Tensor, add: bool = True, mix: bool = False, threads: int | None = None) -> StagedPatch:
+        """:meth:`apply`'s reads and sums without its writes (the compiled CPU pass only); :meth:`store`
+        makes the writes. The pair equals :meth:`apply` bit for bit while the targets stay as they were
+        between the two calls, so a CPU engine stages a delta while it serves and its pause holds only
+        the stores (each change's cache miss, nothing else). ``threads``: as :func:`cpu_kernels.apply_threads`."""
+        if not self.numba:
+            raise KernelBackendError("stage/store is the compiled CPU pass's (backend='numba'); use apply")
+        self._check_changes(entry_tensor_E, entry_offsets_E1, idx_C, val_C)
+        from rltune.sync.kernels.cpu_kernels import stage_deltas_cpu
+
+        out, pos_C, new_C = stage_deltas_cpu(self.targets, self.layouts, entry_tensor_E, entry_offsets_E1, idx_C, val_C,
+                                             add, threads=threads, mix=mix)
+        return StagedPatch(entry_tensor_E, entry_offsets_E1, pos_C, new_C, _host_result(out, mix))
+
+    def store(self, patch: StagedPatch) -> ApplyResult:
+        """Write what :meth:`stage` staged; returns the result :meth:`apply` would have returned."""
+        if not self.numba:
+            raise KernelBackendError("stage/store is the compiled CPU pass's (backend='numba'); use apply")
+        from rltune.sync.kernels.cpu_kernels import store_staged_cpu
+
+        store_staged_cpu(self.targets, self.layouts, patch.entry_tensor_E, patch.entry_offsets_E1, patch.pos_C,
+                         patch.new_C)
+        return patch.result
+
+    @staticmethod
+    def _check_changes(entry_tensor_E, entry_offsets_E1, idx_C, val_C) -> None:
+        if entry_offsets_E1.numel() != entry_tensor_E.numel() + 1:
+            raise KernelError(f"entry_offsets needs {entry_tensor_E.numel() + 1} values (entries + 1), "
+                              f"got {entry_offsets_E1.numel()}")
+        if idx_C.numel() != val_C.numel():
+            raise KernelError(f"{idx_C.numel()} indices but {val_C.numel()} values")
 
 
 def apply_deltas(plan: ApplyPlan, entry_tensor_E: torch.Tensor, entry_offsets_E1: torch.Tensor,
@@ -823,6 +869,7 @@ def apply_mapped_delta(target_bits_N: torch.Tensor, pos_C: torch.Tensor, diff_C:
 __all__ = [
     "ApplyPlan",
     "ApplyResult",
+    "StagedPatch",
     "ChangeCapacityError",
     "ChangeSink",
     "ChunkChanges",

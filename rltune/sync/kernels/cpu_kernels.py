@@ -101,7 +101,9 @@ def _target_position(i, contiguous, lo, hi, base, ncols, row_stride, col_stride,
 
 @numba.njit(cache=True, nogil=True)
 def _apply_entry(target_N, idx_C, val_C, width, ncols, base, row_stride, col_stride, r0, r1, c0, c1,
-                 row_table, col_table, use_tables, add, signed, mix):
+                 row_table, col_table, use_tables, add, signed, mix, write, pos_out, new_out):
+    # write: patch target_N in place; otherwise leave it as it is and record, per change, the target
+    # position (-1: not held) and the bits a write would store into pos_out / new_out (a staged patch)
     mask = (np.int64(1) << width) - 1
     half = np.int64(1) << (width - 1)
     full = mask + 1
@@ -125,13 +127,20 @@ def _apply_entry(target_N, idx_C, val_C, width, ncols, base, row_stride, col_str
         pos = _target_position(i, contiguous, lo, hi, base, ncols, row_stride, col_stride, r0, r1, c0, c1,
                                row_table, col_table, use_tables)
         if pos < 0:
+            if not write:
+                pos_out[j] = -1
             continue
         old = np.int64(target_N[pos]) & mask
         if add:
             new = (old + np.int64(val_C[j])) & mask
         else:
             new = np.int64(val_C[j]) & mask
-        target_N[pos] = new - full if (signed and new >= half) else new
+        stored = new - full if (signed and new >= half) else new
+        if write:
+            target_N[pos] = stored
+        else:
+            pos_out[j] = pos
+            new_out[j] = stored
         checksum += np.uint64(i + 1) * np.uint64(new - old)
         written += 1
         if mix:
@@ -145,6 +154,22 @@ def _apply_entry(target_N, idx_C, val_C, width, ncols, base, row_stride, col_str
 
 
 _EMPTY_TABLE = np.zeros(1, dtype=np.int64)
+_NO_POS = np.zeros(1, dtype=np.int64)
+_NO_NEW = np.zeros(1, dtype=np.int32)
+
+
+@numba.njit(cache=True, nogil=True)
+def _store_entry(target_N, pos_C, new_C):
+    # a staged patch's writes: nothing but the stores (each waits on one cache line: prefetched ahead)
+    n = pos_C.shape[0]
+    for j in range(n):
+        if j + _PREFETCH_AHEAD < n:
+            ahead = pos_C[j + _PREFETCH_AHEAD]
+            if ahead >= 0:
+                _prefetch_for_write(target_N, ahead)
+        pos = pos_C[j]
+        if pos >= 0:
+            target_N[pos] = new_C[j]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -353,6 +378,46 @@ def apply_deltas_cpu(targets: list[torch.Tensor], layouts: list[dict], entry_ten
     split between this thread and a second one; the kernel holds no GIL and entries write disjoint
     elements. ``RLTUNE_APPLY_THREADS`` overrides the default (:func:`apply_threads`).
     """
+    return _run_entries(targets, layouts, entry_tensor_E, entry_offsets_E1, idx_C, val_C, add, threads, mix, None)
+
+
+def stage_deltas_cpu(targets: list[torch.Tensor], layouts: list[dict], entry_tensor_E: torch.Tensor,
+                     entry_offsets_E1: torch.Tensor, idx_C: torch.Tensor, val_C: torch.Tensor,
+                     add: bool, threads: int | None = None,
+                     mix: bool = False) -> tuple[tuple[list[int], ...], torch.Tensor, torch.Tensor]:
+    """:func:`apply_deltas_cpu` without its writes: the same sums, from the same reads, and per change
+    the target position (-1 where this worker holds no such element) and the bits the write stores.
+
+    :func:`store_staged_cpu` then makes the writes. Together they equal :func:`apply_deltas_cpu` bit for
+    bit as long as the targets do not change in between and no two changes of the delta land on one
+    element (an index map gives every checkpoint element one place and every place one element).
+    A CPU engine stages while it serves, so that its pause holds only the stores.
+    """
+    n = idx_C.numel()
+    pos_C, new_C = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int32)
+    sums = _run_entries(targets, layouts, entry_tensor_E, entry_offsets_E1, idx_C, val_C, add, threads, mix,
+                        (pos_C, new_C))
+    return sums, torch.from_numpy(pos_C), torch.from_numpy(new_C)
+
+
+def store_staged_cpu(targets: list[torch.Tensor], layouts: list[dict], entry_tensor_E: torch.Tensor,
+                     entry_offsets_E1: torch.Tensor, pos_C: torch.Tensor, new_C: torch.Tensor,
+                     threads: int | None = None) -> None:
+    """The writes of a patch :func:`stage_deltas_cpu` staged (entries split over two threads as the apply's)."""
+    pos, new = pos_C.numpy(), new_C.numpy()
+    offsets = entry_offsets_E1.tolist()
+    views = [t.reshape(-1).numpy() for t in targets]
+    entries = entry_tensor_E.tolist()
+
+    def run(chosen: list[int]) -> None:
+        for e in chosen:
+            a, b = offsets[e], offsets[e + 1]
+            _store_entry(views[layouts[entries[e]]["target"]], pos[a:b], new[a:b])
+
+    _split_two([offsets[e + 1] - offsets[e] for e in range(len(entries))], run, threads, _PARALLEL_MIN_CHANGES)
+
+
+def _run_entries(targets, layouts, entry_tensor_E, entry_offsets_E1, idx_C, val_C, add, threads, mix, staged):
     idx = idx_C.to(torch.int64).numpy()
     val = val_C.to(torch.int32).numpy()
     offsets = entry_offsets_E1.tolist()
@@ -360,6 +425,7 @@ def apply_deltas_cpu(targets: list[torch.Tensor], layouts: list[dict], entry_ten
     widths = [{np.dtype("int16"): 16, np.dtype("int32"): 32, np.dtype("uint8"): 8}[v.dtype] for v in views]
     entries = entry_tensor_E.tolist()
     checksums, written, mixes = [0] * len(entries), [0] * len(entries), [0] * len(entries)
+    write = staged is None
 
     def run(chosen: list[int]) -> None:
         for e in chosen:
@@ -368,11 +434,13 @@ def apply_deltas_cpu(targets: list[torch.Tensor], layouts: list[dict], entry_ten
             tables = lay.get("row_table") is not None
             rt = lay["row_table"].numpy() if tables else _EMPTY_TABLE
             ct = lay["col_table"].numpy() if tables else _EMPTY_TABLE
-            s, n, a, b = _apply_entry(views[target], idx[offsets[e]:offsets[e + 1]], val[offsets[e]:offsets[e + 1]],
-                                      widths[target], lay["ncols"], lay["base"], lay["row_stride"], lay["col_stride"],
-                                      lay["row_window"][0], lay["row_window"][1], lay["col_window"][0],
-                                      lay["col_window"][1], rt, ct, tables, add, views[target].dtype != np.uint8, mix)
-            checksums[e], written[e], mixes[e] = int(s), int(n), (int(a) << 32) | int(b)
+            a, b = offsets[e], offsets[e + 1]
+            pos_out, new_out = (_NO_POS, _NO_NEW) if write else (staged[0][a:b], staged[1][a:b])
+            s, n, la, lb = _apply_entry(views[target], idx[a:b], val[a:b], widths[target], lay["ncols"], lay["base"],
+                                        lay["row_stride"], lay["col_stride"], lay["row_window"][0],
+                                        lay["row_window"][1], lay["col_window"][0], lay["col_window"][1], rt, ct,
+                                        tables, add, views[target].dtype != np.uint8, mix, write, pos_out, new_out)
+            checksums[e], written[e], mixes[e] = int(s), int(n), (int(la) << 32) | int(lb)
 
     _split_two([offsets[e + 1] - offsets[e] for e in range(len(entries))], run, threads, _PARALLEL_MIN_CHANGES)
     return (checksums, written, mixes) if mix else (checksums, written)

@@ -35,7 +35,11 @@ raises :class:`EngineWeightsMovedError`: call ``attach`` again.
 reused buffers and returns at once, so the engine keeps serving while it runs; ``update(step)``
 waits for it (at most ``timeout_s``), applies the changes in place and verifies every tensor the
 worker holds (GPU: the fused Triton apply kernel; CPU: the same apply compiled for the CPU,
-:mod:`rltune.sync.kernels.cpu_kernels`, whose oracle is the torch reference).
+:mod:`rltune.sync.kernels.cpu_kernels`, whose oracle is the torch reference). On a CPU the prepare
+thread also does the apply's reads and checksum arithmetic against the weights held (they do not
+change while the engine serves), so the pause holds only the stores; a patch staged against weights
+written since (another update, an anchor load) is dropped and the delta applied in full
+(``prestaged`` in the update's result lists the deltas stored from a staged patch).
 """
 
 from __future__ import annotations
@@ -346,6 +350,7 @@ class WorkerSync:
 def _report(report, receiver) -> dict[str, Any]:
     return dict(ok=True, action=report.action, step=report.step, anchor=report.anchor, deltas=list(report.deltas),
                 changes=report.changes_applied, seconds=report.seconds, phases=dict(report.phases),
+                prestaged=list(report.prestaged),
                 anchor_loads=receiver.anchor_loads, deltas_applied=receiver.deltas_applied,
                 fallbacks=list(report.fallbacks), valid=receiver.valid, attempt=receiver.attempt)
 
