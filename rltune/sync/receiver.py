@@ -122,6 +122,9 @@ class DeltaReceiver:
         self._prefetched: dict[tuple[str, int, str], Any] = {}
         self._writes = 0  # writes begun (anchor loads and deltas): a patch staged before one is stale
         self._prestaged: list[int] = []  # this update's deltas stored from a patch staged while serving
+        self._planned: dict[int, dict[str, Any]] = {}  # TP rank 0: the manifests this update was planned with
+        self._spec_keys: dict[int, tuple[dict[str, Any], tuple]] = {}  # id(manifest) -> (manifest, spec key)
+        self._expectations: dict[int, tuple] = {}  # id(manifest) -> (manifest, multiplicity, _expected's value)
         # fused: one multi-tensor kernel launch per delta (rltune.sync.kernels.ApplyPlan) with the
         # changes staged on the device at prefetch; None = when the parameters are on a GPU.
         self._fused = (self.params[0].device.type == "cuda") if fused is None else fused
@@ -199,7 +202,16 @@ class DeltaReceiver:
     # ------------------------------------------------------------------------- static checks
 
     def _spec_key(self, manifest: dict[str, Any]) -> tuple:
-        return tuple(sorted((n, t["dtype"], tuple(t["shape"]), t["tied_to"]) for n, t in manifest["tensors"].items()))
+        """The names, dtypes, shapes and ties of a manifest's tensors; kept for the last few manifests (the
+        store hands out one dict per step and marker), so the prefetch computes a step's key, not the pause."""
+        memo = self._spec_keys.get(id(manifest))
+        if memo is not None and memo[0] is manifest:
+            return memo[1]
+        key = tuple(sorted((n, t["dtype"], tuple(t["shape"]), t["tied_to"]) for n, t in manifest["tensors"].items()))
+        if len(self._spec_keys) >= 4:
+            self._spec_keys.pop(next(iter(self._spec_keys)))
+        self._spec_keys[id(manifest)] = (manifest, key)
+        return key
 
     def _check_static(self, manifest: dict[str, Any], where: str) -> None:
         """Whenever a manifest's names, dtypes or shapes differ from the last checked: they match the index
@@ -411,6 +423,9 @@ class DeltaReceiver:
             if m["kind"] == "full":
                 return False
             staged = self._stage_changes(step, m, prestage=True) if self._fused else self._read_changes(step, m)
+            self._spec_key(m)  # the pause's static check then compares a key already made
+            if self._multiplicity is not None and self._spec_key(m) == self._static_key:
+                self._expected(m)  # and its verification compares with sums already made
             self._prefetched = {(m["run_id"], step, m["attempt"]): staged}
             return True
         except Exception as e:  # the contract: a bool, whatever the step holds
@@ -445,6 +460,7 @@ class DeltaReceiver:
 
     def _plan(self, target: int, force_reload: bool = False) -> dict:
         m = self.store.manifest(target)
+        self._planned[target] = m
         ident = (m["run_id"], target, m["attempt"])
         held = self.held
         if not force_reload and held == ident:
@@ -454,14 +470,15 @@ class DeltaReceiver:
             return dict(action="delta", target=target, candidates=[(None, [target])], attempts={target: m["attempt"]})
         candidates = self.store.chains(target, limit=1 + self.max_fallbacks)
         steps = {s for anchor, deltas in candidates for s in [anchor, *deltas]}
+        self._planned.update({s: self.store.manifest(s) for s in steps})
         return dict(action="reload", target=target, candidates=candidates,
-                    attempts={s: self.store.manifest(s)["attempt"] for s in steps})
+                    attempts={s: self._planned[s]["attempt"] for s in steps})
 
     def _snapshot(self, attempts: dict[int, str]) -> dict[int, dict[str, Any]]:
         """This worker's manifests of the plan's steps, each the attempt rank 0 planned with."""
         mans = {}
         for s, attempt in attempts.items():
-            m = self.store.manifest(s)
+            m = self._planned.get(s) or self.store.manifest(s)  # TP rank 0 planned with its own snapshot
             if m["attempt"] != attempt:
                 raise fmt.WrongStepError(f"{self.store.step_dir(s)}: step {s} is attempt {m['attempt']} here, but TP "
                                          f"rank 0 planned with attempt {attempt}: the trainer republished it meanwhile; "
@@ -481,6 +498,7 @@ class DeltaReceiver:
                 phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
 
         plan = None
+        self._planned = {}
         if self.rank == 0:
             try:
                 plan = timed("plan", make_plan)
@@ -678,17 +696,31 @@ class DeltaReceiver:
         """Check the shares held now against ``step``'s manifest (both checksums, group-wide)."""
         self._verify(step, self.store.manifest(step))
 
-    def _verify(self, step: int, m: dict) -> None:
+    def _expected(self, m: dict) -> tuple[list[str], list[int], list[tuple[int, int]]]:
+        """(names checked, the group's expected checksum and checksum2 lanes of each) for manifest ``m``;
+        kept for the last few manifests, so the prefetch computes a step's, not the pause."""
+        memo = self._expectations.get(id(m))
+        if memo is not None and memo[0] is m and memo[1] is self._multiplicity:
+            return memo[2]
         names = [n for n in self._names if n in self._multiplicity]
+        tensors, mult = m["tensors"], self._multiplicity
+        out = (names, [(mult[n] * int(tensors[n]["checksum"])) & MASK64 for n in names],
+               [checksum2_lanes(checksum2_scale(int(tensors[n]["checksum2"]), mult[n])) for n in names])
+        if len(self._expectations) >= 4:
+            self._expectations.pop(next(iter(self._expectations)))
+        self._expectations[id(m)] = (m, self._multiplicity, out)
+        return out
+
+    def _verify(self, step: int, m: dict) -> None:
+        names, want, want2 = self._expected(m)
         lanes = [checksum2_lanes(self._shares2.get(n, 0)) for n in names]
         sums = self._allreduce([self._shares.get(n, 0) for n in names] + [a for a, _ in lanes] + [b for _, b in lanes])
         k = len(names)
         bad = []
         for j, n in enumerate(names):
-            t, mult = m["tensors"][n], self._multiplicity[n]
-            if sums[j] != (mult * int(t["checksum"])) & MASK64:
+            if sums[j] != want[j]:
                 bad.append((n, "checksum"))
-            elif (sums[k + j] % P31, sums[2 * k + j] % P31) != checksum2_lanes(checksum2_scale(int(t["checksum2"]), mult)):
+            elif (sums[k + j] % P31, sums[2 * k + j] % P31) != want2[j]:
                 bad.append((n, "checksum2"))
         if bad:
             self.valid = False

@@ -157,6 +157,11 @@ class KernelGuard:
         self.plain = [(name, m) for name, m in modules.items() if hasattr(m, "cpu_linear")]
 
     def __call__(self) -> None:
+        # vLLM's parameter classes override __torch_function__: ~4 us a data_ptr() through it, ~0.1 us without
+        with torch._C.DisableTorchFunctionSubclass():
+            self._check()
+
+    def _check(self) -> None:
         for name, module, leaf, p, address, numel in self.slots:
             live = module._parameters.get(leaf)
             if live is not p or p.numel() != numel or numel == 0 or p.data_ptr() != address:
