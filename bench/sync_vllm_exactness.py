@@ -129,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
                        stderr=subprocess.DEVNULL)
         ref = json.loads(ref_out.read_text())
         row = dict(step=step, kind=manifest["kind"], action=summary.action, changes=summary.changes,
-                   prefetched=summary.prefetched, dispatch_blocking_s=summary.dispatch_blocking_s,
+                   prefetched=summary.prefetched,
+                   prestaged=all(step in w.get("prestaged", []) for w in summary.workers),
+                   dispatch_blocking_s=summary.dispatch_blocking_s,
                    greedy_equal=got_tokens == ref["tokens"], bytes_equal=got_digests == ref["digests"],
                    ranks=len(got_digests), reference_s=time.perf_counter() - t0)
         rows.append(row)
@@ -145,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                   versions=dict(torch=torch.__version__, vllm=vllm.__version__, transformers=transformers.__version__),
                   all_greedy_equal=all(r["greedy_equal"] for r in rows),
                   all_bytes_equal=all(r["bytes_equal"] for r in rows),
-                  all_deltas_in_place=all(r["action"] == "delta" for r in rows), rows=rows)
+                  all_deltas_in_place=all(r["action"] == "delta" for r in rows),
+                  all_prestaged=all(r["prestaged"] for r in rows), rows=rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2))
     print(f"greedy equal {record['all_greedy_equal']}, bytes equal {record['all_bytes_equal']} over {args.steps} "
