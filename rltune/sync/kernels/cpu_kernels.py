@@ -6,6 +6,9 @@ is ~1 µs per change. This kernel walks each change once: map the checkpoint ind
 position (strided window or row/column offset tables, as in the Triton kernel), add the wrapped
 difference (or write the new bits), and accumulate the running-checksum change modulo 2^64 in
 uint64 and, when asked, the two checksum2 lanes modulo 2^31 - 1. It must equal the torch reference bit for bit (tests/sync/test_kernels.py).
+The same pass can also run without its writes (:func:`stage_deltas_cpu`: the sums, and per change
+the position and the bits to store) and the writes later on their own (:func:`store_staged_cpu`):
+a CPU engine stages while it serves and only stores in its pause.
 
 Shapes: ``idx_C`` int64 checkpoint indices, ``val_C`` int32 (wrapped differences or new bits),
 ``target_N`` a flat int16 / int32 / uint8 view of the parameter's bits.
