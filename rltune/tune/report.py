@@ -201,7 +201,7 @@ def _plots(data: dict[str, Any], devices: int) -> list[tuple[str, str, str]]:
     if rounds and devices > 0:
         fig, ax = plt.subplots(figsize=(7, 3))
         ax.bar([r["label"] for r in rounds], [r["step_s"] * devices for r in rounds], color="#5d6d7e")
-        ax.set_ylabel(f"device-seconds per step ({devices} device{'s' if devices != 1 else ''})")
+        ax.set_ylabel(f"GPU-seconds per step ({devices} GPU{'s' if devices != 1 else ''})")
         ax.set_title("GPU-seconds per step of each round's baseline")
         plt.setp(ax.get_xticklabels(), rotation=15, ha="right")
         out.append(("GPU-seconds per step", "gpu_seconds", _png(fig)))
@@ -290,7 +290,7 @@ def build_report(workdir: str | Path, out: str | Path | None = None) -> Path:
 
     parts = [f"<h1>Tuning {html.escape(job_name)}</h1>"]
     where = f"{devices} x {start.get('device', 'GPU')}" if devices else f"CPU only ({start.get('device') or 'cpu'})"
-    summary = [["job", start.get("job", "")], ["RL mode (untuned)", start.get("rl_mode", "")], ["devices", where],
+    summary = [["job", start.get("job", "")], ["RL mode (untuned)", start.get("rl_mode", "")], ["hardware", where],
                ["trials run", len(trials)], ["untuned mean step (s)", untuned], ["best mean step (s)", best]]
     if untuned and best:
         summary.append(["speed-up", f"{untuned / best:.2f}x"])
