@@ -123,8 +123,8 @@ class DeltaReceiver:
         self._writes = 0  # writes begun (anchor loads and deltas): a patch staged before one is stale
         self._prestaged: list[int] = []  # this update's deltas stored from a patch staged while serving
         self._planned: dict[int, dict[str, Any]] = {}  # TP rank 0: the manifests this update was planned with
-        self._spec_keys: dict[int, tuple[dict[str, Any], tuple]] = {}  # id(manifest) -> (manifest, spec key)
-        self._expectations: dict[int, tuple] = {}  # id(manifest) -> (manifest, multiplicity, _expected's value)
+        # id(manifest) -> (manifest, values derived from it) for the last few manifests (_derived)
+        self._derived_of: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
         # fused: one multi-tensor kernel launch per delta (rltune.sync.kernels.ApplyPlan) with the
         # changes staged on the device at prefetch; None = when the parameters are on a GPU.
         self._fused = (self.params[0].device.type == "cuda") if fused is None else fused
@@ -204,14 +204,20 @@ class DeltaReceiver:
     def _spec_key(self, manifest: dict[str, Any]) -> tuple:
         """The names, dtypes, shapes and ties of a manifest's tensors; kept for the last few manifests (the
         store hands out one dict per step and marker), so the prefetch computes a step's key, not the pause."""
-        memo = self._spec_keys.get(id(manifest))
-        if memo is not None and memo[0] is manifest:
-            return memo[1]
-        key = tuple(sorted((n, t["dtype"], tuple(t["shape"]), t["tied_to"]) for n, t in manifest["tensors"].items()))
-        if len(self._spec_keys) >= 4:
-            self._spec_keys.pop(next(iter(self._spec_keys)))
-        self._spec_keys[id(manifest)] = (manifest, key)
-        return key
+        return self._derived(manifest, "spec_key", lambda: tuple(sorted(
+            (n, t["dtype"], tuple(t["shape"]), t["tied_to"]) for n, t in manifest["tensors"].items())))
+
+    def _derived(self, manifest: dict[str, Any], what: str, make: Callable[[], Any]) -> Any:
+        """``make()``, kept per manifest for the last few manifests (the store hands out one dict per step
+        and marker): the prefetch derives a step's values, the pause reuses them."""
+        slot = self._derived_of.get(id(manifest))
+        if slot is None or slot[0] is not manifest:
+            if len(self._derived_of) >= 4:
+                self._derived_of.pop(next(iter(self._derived_of)))
+            slot = self._derived_of[id(manifest)] = (manifest, {})
+        if what not in slot[1]:
+            slot[1][what] = make()
+        return slot[1][what]
 
     def _check_static(self, manifest: dict[str, Any], where: str) -> None:
         """Whenever a manifest's names, dtypes or shapes differ from the last checked: they match the index
@@ -260,6 +266,8 @@ class DeltaReceiver:
                                         "cover; its checksums cannot be verified")
             mult[name] = m
         self._names, self._multiplicity, self._static_key = names, mult, key
+        for _, values in self._derived_of.values():
+            values.pop("expected", None)  # made with the multiplicities replaced here
         if self._fused:
             self._fused_plan(manifest)
 
@@ -423,9 +431,9 @@ class DeltaReceiver:
             if m["kind"] == "full":
                 return False
             staged = self._stage_changes(step, m, prestage=True) if self._fused else self._read_changes(step, m)
-            self._spec_key(m)  # the pause's static check then compares a key already made
-            if self._multiplicity is not None and self._spec_key(m) == self._static_key:
-                self._expected(m)  # and its verification compares with sums already made
+            # the pause's static check then compares a key already made, its verification sums already made
+            if self._spec_key(m) == self._static_key and self._multiplicity is not None:
+                self._expected(m)
             self._prefetched = {(m["run_id"], step, m["attempt"]): staged}
             return True
         except Exception as e:  # the contract: a bool, whatever the step holds
@@ -699,17 +707,12 @@ class DeltaReceiver:
     def _expected(self, m: dict) -> tuple[list[str], list[int], list[tuple[int, int]]]:
         """(names checked, the group's expected checksum and checksum2 lanes of each) for manifest ``m``;
         kept for the last few manifests, so the prefetch computes a step's, not the pause."""
-        memo = self._expectations.get(id(m))
-        if memo is not None and memo[0] is m and memo[1] is self._multiplicity:
-            return memo[2]
-        names = [n for n in self._names if n in self._multiplicity]
-        tensors, mult = m["tensors"], self._multiplicity
-        out = (names, [(mult[n] * int(tensors[n]["checksum"])) & MASK64 for n in names],
-               [checksum2_lanes(checksum2_scale(int(tensors[n]["checksum2"]), mult[n])) for n in names])
-        if len(self._expectations) >= 4:
-            self._expectations.pop(next(iter(self._expectations)))
-        self._expectations[id(m)] = (m, self._multiplicity, out)
-        return out
+        def make():
+            names = [n for n in self._names if n in self._multiplicity]
+            tensors, mult = m["tensors"], self._multiplicity
+            return (names, [(mult[n] * int(tensors[n]["checksum"])) & MASK64 for n in names],
+                    [checksum2_lanes(checksum2_scale(int(tensors[n]["checksum2"]), mult[n])) for n in names])
+        return self._derived(m, "expected", make)
 
     def _verify(self, step: int, m: dict) -> None:
         names, want, want2 = self._expected(m)
