@@ -31,28 +31,9 @@ _P31 = (1 << 31) - 1
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _mix32(x):
-    # checksum2's finaliser on uint64 values in [0, 2**32) (kernels.reference.mix32_ref)
-    m32 = np.uint64(0xFFFFFFFF)
-    x = x ^ (x >> np.uint64(16))
-    x = (x * np.uint64(0x7FEB352D)) & m32
-    x = x ^ (x >> np.uint64(15))
-    x = (x * np.uint64(0x846CA68B)) & m32
-    return x ^ (x >> np.uint64(16))
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _weights2(i):
-    # checksum2's two weights (wa, wb) in [1, 2**30] of flat position i (uint64; kernels.reference)
-    m32, m30 = np.uint64(0xFFFFFFFF), np.uint64((1 << 30) - 1)
-    h = _mix32((i & m32) ^ (((i >> np.uint64(32)) * np.uint64(0x9E3779B9)) & m32))
-    return (h & m30) + np.uint64(1), (_mix32(h ^ np.uint64(0x5BD1E995)) & m30) + np.uint64(1)
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _mix32_u32(x):
-    # _mix32 in uint32 arithmetic (every result cast back, so products wrap mod 2**32): the vector
-    # multiplies are 32-bit. With _pair_run's constant fold, 10-15 % off a one-thread checksum pair
-    # pass (the hash is what bounds it), ~5 % on two threads
+    # checksum2's finaliser (kernels.reference.mix32_ref) in uint32 arithmetic: every result is cast
+    # back, so products wrap mod 2**32, and the vector multiplies are 32-bit (with _pair_run's constant
+    # fold, 10-15 % off a one-thread checksum pair pass, which the hash bounds)
     x = np.uint32(x ^ (x >> np.uint32(16)))
     x = np.uint32(x * np.uint32(0x7FEB352D))
     x = np.uint32(x ^ (x >> np.uint32(15)))
@@ -61,14 +42,14 @@ def _mix32_u32(x):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _weights2_u32(i):
-    # _weights2 of position i (uint64) through _mix32_u32, as uint64 values
+def _weights2(i):
+    # checksum2's two weights (wa, wb) in [1, 2**30] of flat position i (uint64; kernels.reference), as uint64
     m30 = np.uint32((1 << 30) - 1)
     lo = np.uint32(i & np.uint64(0xFFFFFFFF))
     hi = np.uint32(np.uint32((i >> np.uint64(32)) & np.uint64(0xFFFFFFFF)) * np.uint32(0x9E3779B9))
-    h = _mix32_u32(np.uint32(lo ^ hi))
+    h = _mix32(np.uint32(lo ^ hi))
     wa = np.uint64(np.uint32(h & m30)) + np.uint64(1)
-    wb = np.uint64(np.uint32(_mix32_u32(np.uint32(h ^ np.uint32(0x5BD1E995))) & m30)) + np.uint64(1)
+    wb = np.uint64(np.uint32(_mix32(np.uint32(h ^ np.uint32(0x5BD1E995))) & m30)) + np.uint64(1)
     return wa, wb
 
 
@@ -217,7 +198,7 @@ def _pair_run(bits_N, offset, start, stop, mask, fold):
     run_c, run_a, run_b = np.uint64(0), np.uint64(0), np.uint64(0)
     for k in range(start, stop):
         i = np.uint64(offset + k)
-        wa, wb = _weights2_u32(i)
+        wa, wb = _weights2(i)
         u = np.uint64(np.uint32(bits_N[k]) & np.uint32(mask))  # congruent to u mod P, all a lane needs
         run_c += (i + np.uint64(1)) * u
         if fold:
