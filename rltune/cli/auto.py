@@ -10,8 +10,9 @@ HELP = """Profile, propose, predict and trial round after round; resumable.
 
 The untuned job runs limits.baseline_runs times (their spread is the measured noise); then each
 round tries the candidates worth a trial: forecast limits.min_forecast_gain_pct faster, or with a
-forecast range that reaches that gate and relieves the stage that limits the step (ranked by the
-range's optimistic end while the evidence is thin). Stops when no candidate is worth a trial, the
+forecast range that reaches that gate and relieves the stage that limits the step -- by its forecast,
+or, for a setting the forecast cannot estimate, by what its fixes move (ranked by the range's
+optimistic end while the evidence is thin). Stops when no candidate is worth a trial, the
 trial budget is spent or the rounds run out, then writes the tuned preset, the savings by technique
 and report.html. Every decision goes to
 WORKDIR/journal.jsonl: after a crash or kill -9, run the same command again (from any directory)

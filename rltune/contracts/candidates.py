@@ -20,6 +20,7 @@ class Candidate:
     needs: list[str] = field(default_factory=list, doc="resources beyond the budget")
     targets: list[str] = field(default_factory=list, doc="problem ids the setup fixes")
     risks: list[str] = field(default_factory=list, doc="acceptance limits the setup's fixes may break")
+    moves: list[str] = field(default_factory=list, doc="theory terms the setup's fixes move (the knowledge base's moves): where a forecast cannot estimate a setting, what the tuner expects it to relieve")
 
     def validate(self) -> None:
         if not self.fixes:

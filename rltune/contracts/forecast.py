@@ -5,8 +5,9 @@ optimistic end of their range when the evidence is thin (no anchor, or settings 
 measurements nor theory could estimate), by the point forecast otherwise -- then the rest by
 their point forecast. A candidate is worth a trial when its point forecast is at least
 ``limits.min_forecast_gain_pct`` faster than the baseline (``worth: point``), or when only its
-range reaches that gate and it relieves the stage that limits the step (``worth: range``: the
-tuner explores while it is unsure).
+range reaches that gate and it relieves the stage that limits the step: that stage's forecast
+seconds drop, or the candidate changes a setting the forecast cannot estimate and its fixes move
+that stage (``worth: range``: the tuner explores while it is unsure).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class CandidateForecast:
     gain_pct: float = field(0.0, doc="forecast % faster than the baseline (negative: slower)")
     optimistic_gain_pct: float = field(0.0, doc="% faster at the low end of the range")
     thin_evidence: bool = field(False, doc="no anchor, or uncertain settings: ranked by the optimistic end of its range")
-    worth: Literal["point", "range", ""] = field("", doc="point: the forecast reaches the gate; range: only its range does and it relieves the limiting stage; '': not worth a trial")
+    worth: Literal["point", "range", ""] = field("", doc="point: the forecast reaches the gate; range: only its range does and it relieves the limiting stage (or changes a setting the forecast cannot estimate, with fixes that move that stage); '': not worth a trial")
     worth_trial: bool = field(False, doc="worth a trial (worth is 'point' or 'range')")
 
     def validate(self) -> None:

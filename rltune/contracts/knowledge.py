@@ -25,6 +25,17 @@ from rltune.contracts.schema import FieldProblem, dump_yaml, field, load_yaml
 KNOWLEDGE_SCHEMA_VERSION = 1
 
 TheoryTerm = Literal["training", "rollout", "weight_sync", "sandbox", "old_logprob", "step"]
+# The theory terms inside each stage group a step is limited by ('training+weight_sync' in fully async).
+STAGE_GROUP_TERMS: dict[str, frozenset[str]] = {
+    "rollout": frozenset({"rollout", "sandbox"}), "training": frozenset({"training", "old_logprob"}),
+    "weight_sync": frozenset({"weight_sync"}), "training+weight_sync": frozenset({"training", "old_logprob", "weight_sync"})}
+
+
+def moves_group(moves: list[str] | tuple[str, ...], group: str) -> bool:
+    """Whether fixes that move these theory terms move the time of stage group ``group``."""
+    return bool(STAGE_GROUP_TERMS.get(group, frozenset({group})) & set(moves))
+
+
 LimitName = Literal["gap", "sample_age", "trials_cut_off", "trials_failed", "memory", "reward"]
 
 _CONDITION = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(==|!=|<=|>=|<|>|\bin\b)\s*(.+?)\s*$")

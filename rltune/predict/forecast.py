@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rltune.contracts.forecast import FORECAST_SCHEMA_VERSION, CandidateForecast, CaseWeight, Forecast
+from rltune.contracts.knowledge import moves_group
 from rltune.predict.effects import EPS_S, KnobEffects, knob_effects
 from rltune.predict.library import CaseLibrary, as_cases
 from rltune.predict.setup import (
@@ -606,7 +607,8 @@ def forecast_candidates(job: JobSpec, candidates: Candidates, library: CaseLibra
     p.remember_theory([base_setup, *targets])
     baseline = forecast_prepared(p, base_setup, "baseline", {})
     gate = job.limits.min_forecast_gain_pct
-    forecasts = [finish(forecast_prepared(p, target, cand.id, cand.overrides), baseline, gate, candidates.limiting_stage)
+    forecasts = [finish(forecast_prepared(p, target, cand.id, cand.overrides), baseline, gate, candidates.limiting_stage,
+                        aimed=moves_group(cand.moves, candidates.limiting_stage))
                  for cand, target in zip(candidates.candidates, targets, strict=True)]
     forecasts.sort(key=rank_key)
     measured = bool(baseline.cases) and all(c.distance == 0 for c in baseline.cases)
@@ -624,12 +626,15 @@ def group_seconds(fc: CandidateForecast, group: str) -> float | None:
 
 
 def finish(fc: CandidateForecast, baseline: CandidateForecast | float, min_gain_pct: float,
-           limiting_stage: str = "") -> CandidateForecast:
+           limiting_stage: str = "", *, aimed: bool = False) -> CandidateForecast:
     """Set the gains against the baseline and whether (and why) the candidate is worth a trial.
 
     Worth a trial: the point forecast reaches the gate ('point'); or only the optimistic end of
     its range does, and it relieves the stage that limits the baseline (that group's forecast
-    seconds drop) or its point forecast is still faster ('range').
+    seconds drop) or its point forecast is still faster ('range'). A change the forecast cannot
+    estimate (a setting of the candidate's own in ``uncertain``) leaves its stages where they were,
+    so there the knowledge base decides: ``aimed`` (the candidate's fixes move the limiting stage)
+    counts as relieving it -- the tuner explores what it cannot forecast rather than stopping.
     """
     base_step = baseline if isinstance(baseline, (int, float)) else baseline.step_s
     fc.gain_pct = round(100.0 * (base_step - fc.step_s) / base_step, 4) if base_step > 0 else 0.0
@@ -639,6 +644,8 @@ def finish(fc: CandidateForecast, baseline: CandidateForecast | float, min_gain_
     if not relieves and limiting_stage and not isinstance(baseline, (int, float)):
         ours, theirs = group_seconds(fc, limiting_stage), group_seconds(baseline, limiting_stage)
         relieves = ours is not None and theirs is not None and ours < theirs
+    if not relieves and aimed:
+        relieves = bool(set(fc.uncertain) & set(fc.overrides))
     fc.worth = "point" if fc.gain_pct >= min_gain_pct else "range" if fc.optimistic_gain_pct >= min_gain_pct and relieves else ""
     fc.worth_trial = bool(fc.worth)
     return fc

@@ -6,8 +6,9 @@ starts from the current baseline (the untuned job, then each kept setup): its di
 ``propose``, the case library and theory feed the forecast, and the next candidate by the shared
 pick (:func:`rltune.tune.pick.pick`) runs for real. A candidate is worth a trial when its forecast
 reaches ``limits.min_forecast_gain_pct`` -- or when only its range does and it relieves the
-limiting stage (ranked by the range's optimistic end while the evidence is thin): the loop explores
-while it is unsure. Each trial joins the library, so the next forecast refits the theory to it. A
+limiting stage, by its forecast or, for a setting the forecast cannot estimate, by what the
+knowledge base says its fixes move (ranked by the range's optimistic end while the evidence is
+thin): the loop explores while it is unsure. Each trial joins the library, so the next forecast refits the theory to it. A
 kept setup becomes the next round's baseline; a rejected one is recorded and the next candidate is
 tried. Knob values seen only in runs that crashed or hung are not tried again. The loop stops when
 no candidate is worth a trial (by its forecast, or by its range while relieving the limiting

@@ -22,14 +22,12 @@ from dataclasses import dataclass
 from rltune.contracts.candidates import Candidate, Candidates
 from rltune.contracts.diagnosis import Diagnosis, Problem
 from rltune.contracts.job import JobSpec, KnobValue
-from rltune.contracts.knowledge import Knowledge
+from rltune.contracts.knowledge import Knowledge, moves_group
 from rltune.tune.knowledge import ApplicableFix, applicable_fix, condition_holds, job_facts
 
 # Enumerating the product of every slot's options is cheap per combination but grows fast; past
 # this many combinations the rest are left out (the ranking keeps the most severe coverage first).
 MAX_COMBINATIONS = 20000
-STAGE_TERMS = {"rollout": {"rollout", "sandbox"}, "training": {"training", "old_logprob"},
-               "weight_sync": {"weight_sync"}, "training+weight_sync": {"training", "old_logprob", "weight_sync"}}
 
 
 @dataclass
@@ -131,8 +129,7 @@ def propose(diagnosis: Diagnosis, job: JobSpec, knowledge: Knowledge, *, knobs: 
 
     if not any(s.required and s.role == "bottleneck" for s in slots):
         # Nothing found in the limiting stage has a fix: let fixes that move its time stand in.
-        terms = STAGE_TERMS.get(limiting, {limiting})
-        stand_ins = [a for f in knowledge.fixes if terms & set(f.moves)
+        stand_ins = [a for f in knowledge.fixes if moves_group(f.moves, limiting)
                      for a in [applicable_fix(f, job, baseline, knowledge, facts)]
                      if a is not None and (allow_needs or not f.needs)]
         if stand_ins:
@@ -193,5 +190,6 @@ def _candidate(cid: str, chosen: list[ApplicableFix], overrides: dict[str, KnobV
     if needs:
         parts.append("needs " + ", ".join(needs))
     risks = sorted({r for a in chosen for r in a.fix.risks})
+    moves = sorted({m for a in chosen for m in a.fix.moves})
     return Candidate(id=cid, fixes=[a.fix.id for a in chosen], overrides=overrides, rationale=". ".join(parts),
-                     needs=needs, targets=[s.problem.id for s in fixed], risks=risks)
+                     needs=needs, targets=[s.problem.id for s in fixed], risks=risks, moves=moves)

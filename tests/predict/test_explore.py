@@ -13,11 +13,11 @@ BASELINE = CandidateForecast(candidate="baseline", overrides={}, stages_s={"roll
 
 
 def forecast(name: str, step: float, low: float, high: float, *, method: str = "anchor", uncertain=(),
-             rollout: float = 6.0, overrides=None) -> CandidateForecast:
+             rollout: float = 6.0, overrides=None, aimed: bool = False) -> CandidateForecast:
     fc = CandidateForecast(candidate=name, overrides=overrides or {"knob": name}, step_s=step, range_s=[low, high],
                            stages_s={"rollout": rollout, "training": 3.0, "weight_sync": step - rollout - 3.0},
                            limiting_stage="rollout", method=method, rl_mode="sync", uncertain=list(uncertain))
-    return finish(fc, BASELINE, 5.0, "rollout")
+    return finish(fc, BASELINE, 5.0, "rollout", aimed=aimed)
 
 
 def test_a_point_forecast_at_the_gate_is_worth_a_trial():
@@ -35,6 +35,22 @@ def test_a_slower_forecast_that_does_not_touch_the_limiting_stage_is_not_worth_a
     assert fc.worth == "" and not fc.worth_trial
     slower_but_relieving = forecast("b", 10.2, 7.0, 14.0, method="theory", rollout=5.5)
     assert slower_but_relieving.worth == "range"
+
+
+def test_a_change_the_forecast_cannot_estimate_is_tried_when_its_fixes_move_the_limiting_stage():
+    # An anchored forecast that could not estimate the candidate's own setting leaves every stage where
+    # it was: its range reaches the gate, and only the knowledge base can say what it relieves.
+    unsure = {"overrides": {"max_batched_tokens": 8192}, "uncertain": ["max_batched_tokens"]}
+    assert forecast("aimed", 10.0, 9.3, 10.7, aimed=True, **unsure).worth == "range"
+    assert forecast("elsewhere", 10.0, 9.3, 10.7, aimed=False, **unsure).worth == ""
+    # Unsure about a setting the candidate does not change (the anchor differed there): the forecast
+    # of its own change stands, and that change relieves nothing.
+    other = forecast("other", 10.0, 9.3, 10.7, aimed=True, overrides={"knob": "x"}, uncertain=["max_batched_tokens"])
+    assert other.worth == ""
+    # Still only within the gate: an unforecastable change whose range stops short is not tried.
+    assert forecast("short", 10.0, 9.7, 10.3, aimed=True, **unsure).worth == ""
+    # And a forecast that is sure it relieves nothing is left alone, whatever the knowledge base expects.
+    assert forecast("sure", 10.0, 9.3, 10.7, aimed=True, overrides={"max_batched_tokens": 8192}).worth == ""
 
 
 def test_a_range_short_of_the_gate_is_not_worth_a_trial():

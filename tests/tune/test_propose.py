@@ -32,6 +32,10 @@ def test_every_setup_fixes_bottleneck_and_next_and_never_combines_c_with_d(tmp_p
     c = by_fixes[frozenset({"fewer_trainer_tp", "chunked_prefill", "add_sandbox_host"})]   # the seed's C
     assert c.overrides == {"trainer_tp": 2, "chunked_prefill": True, "sandbox_hosts": 3}
     assert c.needs == ["extra_cpu_host"]
+    knowledge = {f.id: f for f in load_default_knowledge().fixes}
+    for cand in out.candidates:   # each carries the terms its fixes move, what an unforecastable change is judged by
+        assert cand.moves == sorted({m for fix in cand.fixes for m in knowledge[fix].moves})
+    assert "rollout" in b.moves and "training" in b.moves
 
 
 def test_setups_needing_more_hardware_can_be_left_out(tmp_path):
