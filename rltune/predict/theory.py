@@ -21,8 +21,10 @@ arrays, so fitting on 1,000 cases and forecasting 100 candidates stay fast). The
   changed fraction);
 - an example effect term, the seed's routing-replay CPU copy (``routing_replay: true``).
 
-In the overlapped RL modes a fitted factor per mode stretches rollout and training
-(:func:`overlap_slowdown`): where they share devices (a CPU-only job) each slows the other. A term
+In the overlapped RL modes a fitted factor per mode and stage stretches the part of rollout and
+training that runs alongside the other stage (:func:`overlap_slowdown`): where they share devices
+(a CPU-only job) each slows the other for as long as both run, so a cheaper trainer step also frees
+the rollout it overlaps. A term
 with a ``column`` (the old-logprob pass, ``old_logprob_s``) is also fitted to that column directly.
 
 Coefficients start from physical priors per device class ('cpu' or 'gpu') and are fitted to the
@@ -232,10 +234,15 @@ def pinned_coefficients(cases: Sequence[CaseRecord]) -> set[str]:
     A term with a ``column`` (the old-logprob pass) is timed on its own, and a count column (decode
     steps) measures what continuous batching refills: once some case measured the column, the fit
     knows these coefficients from that case alone, so they need no change of the setting to be known.
+    Likewise a mode's overlap factors, once some case ran in that mode.
     """
     present = {name for c in cases if c.status == "ok" for name, v in c.measured.items() if _number(v)}
     out = {coef for term in TERMS if term.column in present for coef in term.priors}
     out |= {coef for col, coefs in COUNT_COEFFICIENTS.items() if col in present for coef in coefs}
+    # An RL mode's overlap factors are measured by the runs in that mode, whatever else they ran: a micro-batch
+    # no case ran is priced by the priors, but the cores it shares with the rollout stay as contended as measured.
+    modes = {c.rl_mode for c in cases if c.status == "ok"}
+    out |= {f"overlap_{mode}_{stage}" for mode in OVERLAP_MODES if mode in modes for stage in OVERLAPPED_STAGES}
     return out
 
 
@@ -423,24 +430,31 @@ register_term("training", "routing_replay_copy", ("routing_replay",), {"s_per_ro
 
 OVERLAPPED_STAGES = ("rollout", "training")
 OVERLAP_MODES = ("one_step_async", "fully_async")
-# (cpu prior, gpu prior) of each stage's slowdown while it overlaps the other. The prior is the RL-mode
-# rule's own assumption, free overlap; runs in that mode teach the fit how far shared cores stretch it.
+PARTNER = {"rollout": "training", "training": "rollout"}
+# (cpu prior, gpu prior) of the factor on the part of a stage that overlaps the other. The prior is the
+# RL-mode rule's own assumption, free overlap; runs in that mode teach the fit how far shared cores stretch it.
 OVERLAP_PRIORS = {f"overlap_{mode}_{stage}": (1.0, 1.0) for mode in OVERLAP_MODES for stage in OVERLAPPED_STAGES}
 
 
-def overlap_slowdown(f: Features, c: dict[str, float], stage: str) -> np.ndarray:
-    """Factor on a stage's time for the RL mode: 1 in sync mode, a fitted slowdown where stages overlap.
+def overlap_slowdown(f: Features, c: dict[str, float], stage: str, own: dict[str, np.ndarray]) -> np.ndarray:
+    """Factor on a stage's time for the RL mode: 1 in sync mode; where stages overlap, the fitted contention.
 
-    The RL-mode rule assumes rollout and training overlap for free. Where they share devices (the
-    reference workload on a CPU runs both on the same cores) each stretches while the other runs;
-    the fit learns by how much from runs in each mode, so one mode's stage times can be moved to
-    another's and no async run distorts the coefficients of the work itself.
+    ``own`` holds each stage's seconds as the terms price it alone (sync mode). The RL-mode rule
+    assumes rollout and training overlap for free. Where they share devices (the reference workload
+    on a CPU runs both on the same cores) a stage runs slower for as long as the other runs beside
+    it: the overlapped part, ``min(own stage, own partner)``, is stretched by the mode's fitted
+    ``overlap_<mode>_<stage>``, the rest runs at its own speed. So a cheaper trainer step shortens
+    the overlapped rollout too, and a stage far longer than its partner is stretched only by the
+    partner's share. The fit learns the factors from runs in each mode, so one mode's stage times
+    can be moved to another's and no async run distorts the coefficients of the work itself.
     """
     if stage not in OVERLAPPED_STAGES:
         return np.ones(f.n)
+    alone = own[stage]
+    overlapped = np.divide(np.minimum(alone, own[PARTNER[stage]]), alone, out=np.zeros(f.n), where=alone > 0)
     factor = np.ones(f.n)
     for mode in OVERLAP_MODES:
-        factor = factor + f.equals("rl_mode", mode, "sync") * (c[f"overlap_{mode}_{stage}"] - 1.0)
+        factor = factor + f.equals("rl_mode", mode, "sync") * (c[f"overlap_{mode}_{stage}"] - 1.0) * overlapped
     return factor
 
 
@@ -618,9 +632,9 @@ def _fit_jobs(pairs: list[tuple[CaseRecord, Setup]], by_job: dict[str, list[int]
     def block_residuals(theta: np.ndarray, block: tuple) -> np.ndarray:
         _, f, weight, measured, finer, counts, _ = block
         coeffs = dict(zip(names, np.exp(np.clip(theta, low, high)), strict=True))
-        sums = _stage_sums(f, coeffs)
+        sums, factors = _with_overlap(f, coeffs, _own_stage_sums(f, coeffs))
         parts = [weight * (np.log(sums[s] + EPS_S) - measured[s]) for s in STAGES]
-        by_column = _column_terms(f, coeffs)
+        by_column = _column_terms(f, coeffs, factors)
         parts += [weight[rows] * (np.log(by_column[col][rows] + EPS_S) - values) for col, (rows, values) in finer.items()]
         parts += [weight[rows] * (np.log(np.maximum(COUNT_COLUMNS[col](f, coeffs)[rows], 1e-9)) - values)
                   for col, (rows, values) in counts.items() if len(rows)]
@@ -696,7 +710,8 @@ def measured_stages(case: CaseRecord) -> dict[str, float]:
     }
 
 
-def _stage_sums(f: Features, coeffs: dict[str, float]) -> dict[str, np.ndarray]:
+def _own_stage_sums(f: Features, coeffs: dict[str, float]) -> dict[str, np.ndarray]:
+    """Each stage's seconds as its terms price it alone, before the RL mode's overlap."""
     sums = {stage: np.zeros(f.n) for stage in STAGES}
     decode = sandbox = None
     for term in TERMS:
@@ -710,15 +725,26 @@ def _stage_sums(f: Features, coeffs: dict[str, float]) -> dict[str, np.ndarray]:
         # trials in sandboxes are in different phases at once: while some run tools, the engine decodes
         # the others' turns, so part of the shorter of the two hides under the longer
         sums["rollout"] = sums["rollout"] - coeffs["sandbox_overlap"] * np.minimum(decode, sandbox)
-    return {stage: values * overlap_slowdown(f, coeffs, stage) for stage, values in sums.items()}
+    return sums
 
 
-def _column_terms(f: Features, coeffs: dict[str, float]) -> dict[str, np.ndarray]:
-    """Seconds of each term that a measured column times on its own, column -> values (RL-mode factor applied)."""
+def _stage_sums(f: Features, coeffs: dict[str, float]) -> dict[str, np.ndarray]:
+    return _with_overlap(f, coeffs, _own_stage_sums(f, coeffs))[0]
+
+
+def _with_overlap(f: Features, coeffs: dict[str, float], own: dict[str, np.ndarray]
+                  ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(stage seconds under the RL mode, the factor each stage's own seconds took)."""
+    factors = {stage: overlap_slowdown(f, coeffs, stage, own) for stage in STAGES}
+    return {stage: own[stage] * factors[stage] for stage in STAGES}, factors
+
+
+def _column_terms(f: Features, coeffs: dict[str, float], factors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Seconds of each term that a measured column times on its own, column -> values (its stage's RL-mode factor applied)."""
     out: dict[str, np.ndarray] = {}
     for term in TERMS:
         if term.column:
-            values = term.compute(f, coeffs) * overlap_slowdown(f, coeffs, term.stage)
+            values = term.compute(f, coeffs) * factors[term.stage]
             out[term.column] = out.get(term.column, 0.0) + values
     return out
 

@@ -49,13 +49,36 @@ def test_sandbox_pool_beyond_the_cores_barely_moves_a_cpu_rollout():
     assert ratio["rollout"] < 0.5  # on a GPU job's sandbox host (64 cores by prior) a bigger pool still pays
 
 
-def test_overlap_slowdown_is_one_in_sync_mode_and_the_fitted_factor_where_stages_overlap():
+def test_overlap_slowdown_is_one_in_sync_mode_and_the_fitted_factor_on_the_overlapped_part():
     f = Features([tool_setup(rl_mode=m) for m in ("sync", "one_step_async", "fully_async")])
     c = {"overlap_one_step_async_training": 3.0, "overlap_fully_async_training": 2.0,
          "overlap_one_step_async_rollout": 1.0, "overlap_fully_async_rollout": 2.5}
-    assert list(overlap_slowdown(f, c, "training")) == [1.0, 3.0, 2.0]
-    assert list(overlap_slowdown(f, c, "rollout")) == [1.0, 1.0, 2.5]
-    assert list(overlap_slowdown(f, c, "weight_sync")) == [1.0, 1.0, 1.0]
+    # training is the shorter stage: all of it runs beside the rollout, so all of it takes the factor
+    own = {"rollout": np.full(3, 2.0), "training": np.full(3, 1.0), "weight_sync": np.full(3, 0.1)}
+    assert list(overlap_slowdown(f, c, "training", own)) == [1.0, 3.0, 2.0]
+    # the rollout overlaps the trainer for half its time: half of it takes the factor
+    assert list(overlap_slowdown(f, c, "rollout", own)) == [1.0, 1.0, 1.75]
+    assert list(overlap_slowdown(f, c, "weight_sync", own)) == [1.0, 1.0, 1.0]
+    none = {"rollout": np.zeros(3), "training": np.zeros(3), "weight_sync": np.zeros(3)}
+    assert list(overlap_slowdown(f, c, "rollout", none)) == [1.0, 1.0, 1.0]  # a stage of no time stays at no time
+
+
+def test_a_cheaper_trainer_step_shortens_the_rollout_it_overlaps_on_shared_cores():
+    # The fitted contention of a CPU-only job in one-step async: the overlapped part of each stage runs 1.8x slower.
+    coeffs = {"overlap_one_step_async_rollout": 1.8, "overlap_one_step_async_training": 1.8}
+    theory = TheoryModel(coefficients={"cpu": coeffs})
+    base = setup_from_case(make_case("m", rollout=1.0, training=1.0, weight_sync=0.01)).with_knobs(rl_mode="one_step_async")
+    sync = {mb: theory.stages(base.with_knobs(rl_mode="sync", micro_batch_size=mb)) for mb in (2, 16)}
+    overlapped = {mb: theory.stages(base.with_knobs(micro_batch_size=mb)) for mb in (2, 16)}
+    assert sync[16]["rollout"] == pytest.approx(sync[2]["rollout"])  # alone, the rollout does not read the micro-batch
+    assert sync[16]["training"] < sync[2]["training"]
+    for mb in (2, 16):
+        own_r, own_t = sync[mb]["rollout"], sync[mb]["training"]
+        assert overlapped[mb]["rollout"] == pytest.approx(own_r + 0.8 * min(own_r, own_t))
+        assert overlapped[mb]["training"] == pytest.approx(own_t + 0.8 * min(own_r, own_t))
+    # at micro-batch 2 the trainer outlasts the rollout, at 16 it is the shorter: its saving frees the rollout beside it
+    assert sync[16]["training"] < sync[16]["rollout"] < sync[2]["training"]
+    assert overlapped[16]["rollout"] < overlapped[2]["rollout"]
 
 
 def test_fit_learns_how_much_shared_cores_stretch_an_overlapped_stage():
@@ -173,6 +196,9 @@ def test_measured_decode_steps_pin_how_much_continuous_batching_refills():
     logprob.measured["old_logprob_s"] = 0.05
     assert pinned_coefficients([logprob]) == {"s_per_logprob_flop"}
     assert pinned_coefficients([make_case("p", rollout=0.3, training=0.2, weight_sync=0.01)]) == set()
+    # a run in an overlapped mode measures that mode's contention, whatever micro-batch it ran
+    overlapped = make_case("o", rollout=0.3, training=0.2, weight_sync=0.01, knobs={"rl_mode": "one_step_async"})
+    assert pinned_coefficients([overlapped]) == {"overlap_one_step_async_rollout", "overlap_one_step_async_training"}
 
 
 def test_sandbox_work_hides_part_of_the_engines_under_it_in_a_tool_use_rollout():
