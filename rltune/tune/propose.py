@@ -12,6 +12,10 @@ Three rules, applied to every setup:
 Problems in other stages (and step-level ones such as ``stages_serialized``) are optional: setups
 are composed with and without them, and the forecast decides. When no problem of the limiting
 stage has an applicable fix, fixes that move the limiting stage's theory term stand in for it.
+Where rollout and training overlap on shared devices (a job without GPUs in an async mode), the
+other overlapped stage's work slows the limiting one for as long as both run: when none of its
+problems has a fix, fixes that move its time stand in, optionally, and the forecast (whose theory
+prices that contention) decides whether they pay.
 """
 
 from __future__ import annotations
@@ -59,6 +63,14 @@ def group_seconds(diagnosis: Diagnosis) -> dict[str, float]:
     if diagnosis.rl_mode == "fully_async":
         return {"rollout": rollout, "training+weight_sync": training + sync}
     return {"rollout": rollout, "training": training, "weight_sync": sync}
+
+
+def overlap_partner(limiting: str, rl_mode: str, job: JobSpec) -> str | None:
+    """The group that overlaps ``limiting`` on the same devices, or None (sync mode, or stages on their own GPUs)."""
+    if rl_mode == "sync" or job.gpus.count > 0:
+        return None
+    pair = ("rollout", stage_group("training", rl_mode))
+    return pair[1] if limiting == pair[0] else pair[0] if limiting == pair[1] else None
 
 
 def structural_problems(diagnosis: Diagnosis) -> list[Problem]:
@@ -136,6 +148,16 @@ def propose(diagnosis: Diagnosis, job: JobSpec, knowledge: Knowledge, *, knobs: 
             placeholder = Problem(id=f"{limiting}_limits_step", stage="step", component="orchestrator",
                                   summary=f"{limiting} limits the step", severity=seconds.get(limiting, 0.0))
             slots.insert(0, _Slot(placeholder, stand_ins, required=True, role="bottleneck"))
+    partner = overlap_partner(limiting, rl_mode, job)
+    if partner is not None and not any(stage_group(s.problem.stage, rl_mode) == partner for s in slots):
+        stand_ins = [a for f in knowledge.fixes if moves_group(f.moves, partner) and not moves_group(f.moves, limiting)
+                     for a in [applicable_fix(f, job, baseline, knowledge, facts)]
+                     if a is not None and (allow_needs or not f.needs)]
+        if stand_ins:
+            placeholder = Problem(id=f"{partner}_shares_cores", stage="step", component="orchestrator",
+                                  summary=f"{partner} runs beside {limiting} on the same devices and slows it",
+                                  severity=min(seconds.get(partner, 0.0), seconds.get(limiting, 0.0)))
+            slots.append(_Slot(placeholder, stand_ins, required=False, role="next" if partner == next_group else "also"))
     slots.sort(key=lambda s: ({"bottleneck": 0, "next": 1, "also": 2}[s.role], -s.problem.severity))
 
     choices = [s.options if s.required else [None, *s.options] for s in slots]

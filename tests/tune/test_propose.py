@@ -132,3 +132,53 @@ def test_the_four_gpu_reference_job_moves_a_gpu_to_whichever_side_is_short():
         out = propose(diagnosis, job, load_default_knowledge(), max_candidates=50)
         moved = [c for c in out.candidates if fix in c.fixes]
         assert moved and all({k: c.overrides[k] for k in want} == want for c in moved), (fix, out.candidates)
+
+
+def _cpu_vllm_job(tmp_path, **changes):
+    """The CPU vLLM tuning job (rollout and training on the same cores), with ``changes`` to its top-level sections."""
+    import yaml
+
+    from rltune.contracts.job import load_job
+
+    from .helpers import REPO
+
+    data = yaml.safe_load((REPO / "presets" / "cpu-vllm-demo.yaml").read_text())
+    for section, values in changes.items():
+        data[section] = {**data[section], **values}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_job(path)
+
+
+def _rollout_limited(rl_mode: str):
+    from rltune.contracts.diagnosis import Diagnosis
+
+    from .helpers import stage
+
+    return Diagnosis(schema_version=1, run_id="base", source="rltune", rl_mode=rl_mode, steps_used=[2, 3, 4],
+                     step_median_s=10.0, step_model_s=10.0, limiting_stage="rollout",
+                     stages={"rollout_s": stage(8.0), "training_s": stage(6.0), "weight_sync_s": stage(0.5)},
+                     problems=[])
+
+
+def test_on_shared_cores_fixes_of_the_overlapped_trainer_stand_in_for_the_rollout_it_slows(tmp_path):
+    knowledge = load_default_knowledge()
+    trainer_only = {f.id for f in knowledge.fixes
+                    if any(m.startswith("training") for m in f.moves) and not any(m.startswith("rollout") for m in f.moves)}
+    assert "larger_micro_batch" in trainer_only
+    job = _cpu_vllm_job(tmp_path, knobs={"rl_mode": "one_step_async"})
+    out = propose(_rollout_limited("one_step_async"), job, knowledge, max_candidates=200)
+    with_trainer = [c for c in out.candidates if set(c.fixes) & trainer_only]
+    # optional: composed with and without, and never in place of a fix that moves the rollout itself
+    assert with_trainer and len(with_trainer) < len(out.candidates)
+    assert all(not set(c.fixes) <= trainer_only for c in out.candidates)
+    assert all("training_shares_cores" in c.targets for c in with_trainer)
+    assert all("fixes the next bottleneck (training)" in c.rationale for c in with_trainer)
+    # In sync mode the stages never run side by side, and on GPUs each stage has its own devices: no stand-ins.
+    sync = propose(_rollout_limited("sync"), _cpu_vllm_job(tmp_path), knowledge, max_candidates=200)
+    gpus = propose(_rollout_limited("one_step_async"), _cpu_vllm_job(
+        tmp_path, knobs={"rl_mode": "one_step_async"}, gpus={"count": 2, "device": "H200", "trainer": 1, "rollout": 1}),
+        knowledge, max_candidates=200)
+    for other in (sync, gpus):
+        assert other.candidates
+        assert all("training_shares_cores" not in c.targets for c in other.candidates)
