@@ -13,7 +13,9 @@ arrays, so fitting on 1,000 cases and forecasting 100 candidates stay fast). The
   waits for whole waves, continuous batching refills slots; each decode step reads the weights
   (fp8 halves the bytes) and computes on the active batch; ``engine_compile`` scales the per-step
   overhead; in fully async mode rollout runs ahead (up to the sample-age cap, as many batches as the
-  engines' slots hold) and one batch costs a share of that joint time (a fitted efficiency); a generation
+  engines' slots hold) and one batch costs a share of that joint time (a fitted efficiency); engines
+  on one host's cores (a job without GPUs) take turns on them, so more engines split the batch but
+  not the time (a fitted exponent, :func:`engines_sharing_cores`); a generation
   round that feeds several optimizer steps (a generation batch of several steps' samples, a batch
   trained on more than once) costs each step its share; sandboxes add setup (cheaper with a prebuilt image) and execution per trial, divided
   over the sandboxes that really run at once -- the pool, capped by the host cores that run them;
@@ -353,7 +355,20 @@ def _decode(f: Features, c: dict[str, float]) -> np.ndarray:
     batch = np.minimum(concurrency_per_engine(f), ahead * rounds * samples(f) / engines(f))
     compute = c["s_per_decode_flop"] * 2.0 * f.num("active_params", 1e9) * batch / engine_tp(f)
     per_round = decode_steps(f, c["continuous_fill"], rounds) * (overhead + weights + compute) / ahead ** c["run_ahead_efficiency"]
-    return per_round / generation_cadence(f)
+    return per_round * engines_sharing_cores(f, c) / generation_cadence(f)
+
+
+def engines_sharing_cores(f: Features, c: dict[str, float]) -> np.ndarray:
+    """Factor on the busiest engine's decode where all engines run on one host's cores (a job without GPUs).
+
+    Splitting the batch over engines shortens each engine's share only where each has its own
+    device. Engines on the same cores take turns on them: ``engines ** engine_core_sharing``, whose
+    prior 1 says a second engine gains nothing (half the sequences each, at half the cores); the fit
+    learns from runs with several engines whether processes overlapping their Python overhead gain
+    a little (< 1) or their contention costs (> 1).
+    """
+    shared = f.num("gpus", 0.0) <= 0
+    return np.where(shared, engines(f) ** c["engine_core_sharing"], 1.0)
 
 
 def sandbox_parallelism(f: Features, cores_per_host: float) -> np.ndarray:
@@ -402,7 +417,7 @@ register_term("training", "old_logprob_pass", ("reuse_rollout_logprobs", "batch"
               {"s_per_logprob_flop": (3e-11, 3e-15)}, _old_logprob, "separate forward pass for old log-probs", column="old_logprob_s")
 register_term("training", "fixed", (), {"training_fixed_s": (0.02, 1.0)}, lambda f, c: np.full(f.n, c["training_fixed_s"]))
 register_term("rollout", "decode", ("batch", "answer_cap_tokens", "context_limit_tokens", "engine_max_concurrency", "num_engines",
-                                    "engine_batching", "engine_compile", "engine_tp", "kv_cache_dtype", "weight_dtype", "total_params",
+                                    "gpus", "engine_batching", "engine_compile", "engine_tp", "kv_cache_dtype", "weight_dtype", "total_params",
                                     "active_params", "workload", "device", "sandbox_pool_size", "sandbox_hosts",
                                     "max_sample_age", "generation_batch_size", "batch_reuse"),
               # CPU: small-batch decode in eager kernels runs at a few GFLOP/s, an order of magnitude below the dense
@@ -410,7 +425,8 @@ register_term("rollout", "decode", ("batch", "answer_cap_tokens", "context_limit
               # compile_factor on a GPU: CUDA graphs cut the H200 small job's rollout 8.4 -> 0.9 s a step
               # (bench/results/graph-decode-h200-*/); on a CPU torch.compile saves less of a step's fixed cost.
               {"s_per_decode_step": (2e-3, 0.01), "compile_factor": (0.7, 0.15), "s_per_weight_byte": (1e-10, 2.5e-13),
-               "s_per_decode_flop": (3e-10, 3e-15), "continuous_fill": (0.7, 0.7), "run_ahead_efficiency": (0.5, 1.0)},
+               "s_per_decode_flop": (3e-10, 3e-15), "continuous_fill": (0.7, 0.7), "run_ahead_efficiency": (0.5, 1.0),
+               "engine_core_sharing": (1.0, 1.0)},
               _decode, "decode steps over the longest trial per wave x cost of one step, over the batches generated at once")
 register_term("rollout", "sandbox", ("workload", "sandbox_pool_size", "sandbox_hosts", "prebuilt_image", "batch"),
               {"sandbox_build_s": (0.5, 120.0), "prebuilt_factor": (0.2, 0.2), "sandbox_exec_s": (0.05, 5.0), "sandbox_cores": (2.0, 64.0),

@@ -259,3 +259,21 @@ def test_fully_async_rollout_runs_ahead_by_as_many_batches_as_the_engines_slots_
               for mode, engines, age in [("sync", 4, 2), ("fully_async", 1, 2), ("fully_async", 2, 2),
                                          ("fully_async", 4, 2), ("fully_async", 4, 1)]]
     assert list(run_ahead(Features(setups))) == [1.0, 1.0, 2.0, 3.0, 2.0]
+
+
+def test_engines_on_one_hosts_cores_split_the_batch_but_not_the_time():
+    theory = TheoryModel()
+    cpu = math_setup(engine_max_concurrency=4)  # several waves an engine, so refills are not at their one-wave floor
+    alone, two = (theory.stages(cpu.with_knobs(num_engines=n))["rollout"] for n in (1, 2))
+    assert two == pytest.approx(alone, rel=1e-6)  # the prior: a second engine takes turns on the same cores
+    gpu = setup_from_case(make_case("g", rollout=1.0, training=1.0, weight_sync=0.0, device="H200", gpus=8, **MATH))
+    fixed = theory.coefficients_for("gpu")["rollout_fixed_s"]
+    alone, two = (theory.stages(gpu.with_knobs(engine_max_concurrency=4, num_engines=n))["rollout"] - fixed for n in (1, 2))
+    assert two == pytest.approx(alone / 2, rel=1e-6)  # on their own GPUs the engines halve the waves
+    # runs where a second engine on the shared cores cost 40 %: the fit learns the exponent, the forecast follows
+    truth = TheoryModel(coefficients={"cpu": {"engine_core_sharing": 1.5}})
+    specs = [(f"e{n}c{c}", {"num_engines": n, "engine_max_concurrency": c}, None, 10 * n + c) for n in (1, 2) for c in (4, 8)]
+    fitted = TheoryModel().fit(_cases_from(truth, specs, **MATH))
+    target = cpu.with_knobs(num_engines=2, engine_max_concurrency=2)
+    assert fitted.stages(target)["rollout"] == pytest.approx(truth.stages(target)["rollout"], rel=0.1)
+    assert fitted.stages(target)["rollout"] > 1.2 * fitted.stages(cpu.with_knobs(engine_max_concurrency=2))["rollout"]
