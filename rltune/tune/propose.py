@@ -21,12 +21,13 @@ prices that contention) decides whether they pay.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rltune.contracts.candidates import Candidate, Candidates
 from rltune.contracts.diagnosis import Diagnosis, Problem
 from rltune.contracts.job import JobSpec, KnobValue
-from rltune.contracts.knowledge import Knowledge, moves_group
+from rltune.contracts.knowledge import Fix, Knowledge, moves_group
 from rltune.tune.knowledge import ApplicableFix, applicable_fix, condition_holds, job_facts
 
 # Enumerating the product of every slot's options is cheap per combination but grows fast; past
@@ -126,12 +127,14 @@ def propose(diagnosis: Diagnosis, job: JobSpec, knowledge: Knowledge, *, knobs: 
     others = sorted((g for g in seconds if g != limiting), key=lambda g: -seconds[g])
     next_group = others[0] if others and seconds[others[0]] > 0 else None
 
+    def applicable(fixes: Iterable[Fix]) -> list[ApplicableFix]:
+        return [a for f in fixes for a in [applicable_fix(f, job, baseline, knowledge, facts)]
+                if a is not None and (allow_needs or not f.needs)]
+
     slots: list[_Slot] = []
     unfixed: list[str] = []
     for problem in list(diagnosis.problems) + structural_problems(diagnosis):
-        options = [a for f in knowledge.fixes if problem.id in f.problems
-                   for a in [applicable_fix(f, job, baseline, knowledge, facts)]
-                   if a is not None and (allow_needs or not f.needs)]
+        options = applicable(f for f in knowledge.fixes if problem.id in f.problems)
         group = stage_group(problem.stage, rl_mode)
         role = "bottleneck" if group == limiting else "next" if group == next_group else "also"
         if not options:
@@ -141,18 +144,14 @@ def propose(diagnosis: Diagnosis, job: JobSpec, knowledge: Knowledge, *, knobs: 
 
     if not any(s.required and s.role == "bottleneck" for s in slots):
         # Nothing found in the limiting stage has a fix: let fixes that move its time stand in.
-        stand_ins = [a for f in knowledge.fixes if moves_group(f.moves, limiting)
-                     for a in [applicable_fix(f, job, baseline, knowledge, facts)]
-                     if a is not None and (allow_needs or not f.needs)]
+        stand_ins = applicable(f for f in knowledge.fixes if moves_group(f.moves, limiting))
         if stand_ins:
             placeholder = Problem(id=f"{limiting}_limits_step", stage="step", component="orchestrator",
                                   summary=f"{limiting} limits the step", severity=seconds.get(limiting, 0.0))
             slots.insert(0, _Slot(placeholder, stand_ins, required=True, role="bottleneck"))
     partner = overlap_partner(limiting, rl_mode, job)
     if partner is not None and not any(stage_group(s.problem.stage, rl_mode) == partner for s in slots):
-        stand_ins = [a for f in knowledge.fixes if moves_group(f.moves, partner) and not moves_group(f.moves, limiting)
-                     for a in [applicable_fix(f, job, baseline, knowledge, facts)]
-                     if a is not None and (allow_needs or not f.needs)]
+        stand_ins = applicable(f for f in knowledge.fixes if moves_group(f.moves, partner) and not moves_group(f.moves, limiting))
         if stand_ins:
             placeholder = Problem(id=f"{partner}_shares_cores", stage="step", component="orchestrator",
                                   summary=f"{partner} runs beside {limiting} on the same devices and slows it",
