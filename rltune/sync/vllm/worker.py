@@ -281,7 +281,7 @@ class WorkerSync:
             import torch.distributed as dist
 
             any_failed = torch.tensor([1 if failed else 0])
-            dist.all_reduce(any_failed, op=dist.ReduceOp.MAX, group=self.group)  # 1 where any rank of the engine failed its patch
+            dist.all_reduce(any_failed, op=dist.ReduceOp.MAX, group=self.group)  # 1 on every worker once one of the TP group failed to attach
             failed = bool(any_failed.item())
         if err is not None:
             raise err
