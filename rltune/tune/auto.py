@@ -10,7 +10,8 @@ limiting stage, by its forecast or, for a setting the forecast cannot estimate, 
 knowledge base says its fixes move (ranked by the range's optimistic end while the evidence is
 thin): the loop explores while it is unsure. Each trial joins the library, so the next forecast refits the theory to it. A
 kept setup becomes the next round's baseline; a rejected one is recorded and the next candidate is
-tried. Knob values seen only in runs that crashed or hung are not tried again. The loop stops when
+tried. Knob values seen only in runs that crashed or hung are not tried again, nor are those seen only
+in runs that broke a numerical limit (gap, sample age, trial shares) against runs that held it. The loop stops when
 no candidate is worth a trial (by its forecast, or by its range while relieving the limiting
 stage), the trial budget is spent, or the rounds run out; then it writes the tuned preset, the
 savings by technique and the HTML report.
@@ -44,7 +45,7 @@ from rltune.contracts.job import JobSpec, KnobValue, load_job
 from rltune.errors import RltuneError
 from rltune.launch.job import metrics_path_of, run_steps
 from rltune.tune.journal import Journal, JournalError
-from rltune.tune.pick import failed_settings, pick
+from rltune.tune.pick import failed_settings, holds_a_failed_set, limit_breaking_settings, pick
 from rltune.tune.trial import Baseline, measure_run, record_case, run_trial
 
 Event = dict[str, Any]
@@ -214,9 +215,12 @@ class AutoLoop:
             trials += round_trials
             if outcome in ("no_candidates", "none_worth"):
                 gate = self.job.limits.min_forecast_gain_pct
+                banned = self.journal.events()[-1].get("banned") or []
                 reason = ("no applicable fix for what limits the step" if outcome == "no_candidates"
                           else f"no candidate is worth a trial: none is forecast {gate:g}% faster, and none whose "
-                               f"range reaches {gate:g}% relieves the limiting stage")
+                               f"range reaches {gate:g}% relieves the limiting stage"
+                               + (f", except {len(banned)} holding settings that crashed or broke a limit"
+                                  if banned else ""))
                 break
             round_no += 1
         return self._finish(reason, untuned, baseline)
@@ -392,7 +396,7 @@ class AutoLoop:
             if room <= 0:
                 break
             attempt += 1
-            failed = self._failed_settings()
+            failed, broke_limits = self._failed_settings(), self._limit_breaking_settings()
             candidates = propose(baseline.diagnosis, self.job, knowledge, knobs=baseline.knobs, job_path=str(self.job_path),
                                  round_tag=f"r{round_no}", tried=tried, allow_needs=self.allow_needs,
                                  baseline_dir=str(baseline.run_dirs[0]), untuned_dir=str(untuned.run_dirs[0]))
@@ -408,7 +412,7 @@ class AutoLoop:
             by_id = {c.id: c for c in candidates.candidates}
             chosen = []
             while len(chosen) < room:
-                fc = pick(forecast, baseline.knobs, failed=failed,
+                fc = pick(forecast, baseline.knobs, failed=failed, broke_limits=broke_limits,
                           tried=[*tried, *({**baseline.knobs, **c.overrides} for c in chosen)])
                 if fc is None:
                     break
@@ -423,7 +427,9 @@ class AutoLoop:
                                     "worth": f.worth, "limiting_stage": f.limiting_stage, "method": f.method}
                                    for f in forecast.forecasts])
             if not chosen:
-                self._emit("round_end", round=round_no, outcome="none_worth")
+                banned = [f.candidate for f in forecast.forecasts if f.worth_trial
+                          and holds_a_failed_set(baseline.knobs, f.overrides, [*failed, *broke_limits])]
+                self._emit("round_end", round=round_no, outcome="none_worth", banned=banned)
                 return "none_worth", baseline, round_trials
             starts = []
             for fc in chosen:
@@ -460,6 +466,13 @@ class AutoLoop:
         """Knob values of runs that crashed or hung that never ran fine (see :func:`rltune.tune.pick.failed_settings`)."""
         events = self.journal.events()
         return failed_settings((e["knobs"], e.get("decision", "ok")) for e in events if e["event"] in ("baseline", "trial"))
+
+    def _limit_breaking_settings(self) -> list[set[tuple[str, Any]]]:
+        """Knob values of runs that broke a numerical limit that no run holding it had
+        (see :func:`rltune.tune.pick.limit_breaking_settings`)."""
+        events = self.journal.events()
+        return limit_breaking_settings((e["knobs"], e.get("decision", "ok"), e.get("failed_limits", []))
+                                       for e in events if e["event"] in ("baseline", "trial"))
 
     def _trial_fields(self, start: Event, verdict: Any) -> dict[str, Any]:
         return dict(round=start["round"], run_id=start["run_id"], run_dirs=[self._rel(d) for d in verdict.run_dirs],

@@ -6,6 +6,10 @@ point forecast otherwise). On top of that order:
 
 - a setup holding every value of a crashed run's set of never-fine values is not run again
   (:func:`holds_a_failed_set`);
+- nor is one holding every value of a run that broke a numerical limit (gap, sample age, trial shares)
+  that no run holding that limit had (:func:`limit_breaking_settings`): fully async broke the gap
+  limit from one baseline, so it is not tried again from the next; unlike a crash, such a run leaves
+  the order of the others alone (it cost one run, not a time-out, and says nothing about them);
 - setups sharing fewer values with crashed runs go first: after a crash of a setup that changed
   several knobs, the culprit is one of them (:func:`crash_aware_order`);
 - a setup already measured is not run again.
@@ -21,6 +25,10 @@ from rltune.contracts.job import KnobValue
 from rltune.predict.forecast import rank_key
 
 FailedSet = set[tuple[str, Any]]
+
+# The limits a setting breaks by what it is (a stale policy, cut-off or failing trials), not by how
+# fast it ran: "speed" is left out, a slow setup may be fast combined with others.
+NUMERICAL_LIMITS = ("gap", "sample_age_mean", "sample_age_max", "trials_cut_off", "trials_failed")
 
 
 def holds_a_failed_set(baseline_knobs: dict[str, KnobValue], overrides: dict[str, KnobValue],
@@ -49,15 +57,40 @@ def failed_settings(finished: Iterable[tuple[dict[str, KnobValue], str]]) -> lis
     return [f for f in failed if f]
 
 
+def limit_breaking_settings(finished: Iterable[tuple[dict[str, KnobValue], str, Iterable[str]]]) -> list[FailedSet]:
+    """Per run that broke a numerical limit, per limit it broke, the knob values it tried that no run
+    holding that limit had.
+
+    ``finished`` holds (knobs, decision, names of the limits the run broke) of every measured run; a
+    run that crashed or hung held nothing, the untuned baseline holds every limit (they are set
+    against it). A set of one value bans that value; a set of several bans only their combination.
+    """
+    runs = [(knobs, decision, set(broke)) for knobs, decision, broke in finished]
+    out: list[FailedSet] = []
+    for knobs, _, broke in runs:
+        for limit in (name for name in NUMERICAL_LIMITS if name in broke):
+            held = {item for other, decision, other_broke in runs
+                    if decision != "failed" and limit not in other_broke for item in other.items()}
+            values = set(knobs.items()) - held
+            if values and values not in out:
+                out.append(values)
+    return out
+
+
 def pick(forecast: Forecast, baseline_knobs: dict[str, KnobValue], *, failed: Sequence[FailedSet] = (),
-         tried: Sequence[dict[str, KnobValue]] = (), allowed: set[str] | None = None) -> CandidateForecast | None:
-    """The next candidate worth a trial, or None when no candidate's forecast or range reaches the gate."""
+         broke_limits: Sequence[FailedSet] = (), tried: Sequence[dict[str, KnobValue]] = (),
+         allowed: set[str] | None = None) -> CandidateForecast | None:
+    """The next candidate worth a trial, or None when no candidate's forecast or range reaches the gate.
+
+    ``failed``: :func:`failed_settings` (banned, and suspects go last); ``broke_limits``:
+    :func:`limit_breaking_settings` (banned only)."""
     tried_sets = [dict(t) for t in tried]
+    banned = [*failed, *broke_limits]
     for fc in crash_aware_order(forecast.forecasts, baseline_knobs, failed):
         if not fc.worth_trial or (allowed is not None and fc.candidate not in allowed):
             continue
         setup = {**baseline_knobs, **fc.overrides}
-        if holds_a_failed_set(baseline_knobs, fc.overrides, failed) or setup in tried_sets:
+        if holds_a_failed_set(baseline_knobs, fc.overrides, banned) or setup in tried_sets:
             continue
         return fc
     return None

@@ -54,3 +54,61 @@ def test_failed_sets_come_from_the_journal_and_leave_out_values_that_ran_fine(tm
                                         "micro_batch_size": 32}, decision="failed")
     loop.journal.append("trial", knobs={**BASE, "rl_mode": "fully_async"}, decision="failed")
     assert loop._failed_settings() == [{("engine_compile", True), ("micro_batch_size", 32)}]
+
+
+def test_a_limit_broken_by_several_changes_narrows_to_what_no_run_holding_it_had():
+    from rltune.tune.pick import limit_breaking_settings
+
+    async_ = {**BASE, "rl_mode": "fully_async", "micro_batch_size": 16}
+    one_step = {**BASE, "rl_mode": "one_step_async", "micro_batch_size": 16}
+    finished = [(BASE, "ok", []), (async_, "reject", ["gap"])]
+    assert limit_breaking_settings(finished) == [{("rl_mode", "fully_async"), ("micro_batch_size", 16)}]
+    # a run holding the gap with the larger micro-batch clears it: fully async alone broke the gap
+    assert limit_breaking_settings([*finished, (one_step, "keep", [])]) == [{("rl_mode", "fully_async")}]
+    # ... but not a run that broke the gap too, or crashed (it held nothing), or held another limit only
+    assert limit_breaking_settings([*finished, (one_step, "reject", ["gap", "speed"])]) == [
+        {("rl_mode", "fully_async"), ("micro_batch_size", 16)}, {("rl_mode", "one_step_async"), ("micro_batch_size", 16)}]
+    assert limit_breaking_settings([*finished, (one_step, "failed", [])])[0] == {("rl_mode", "fully_async"),
+                                                                                 ("micro_batch_size", 16)}
+
+
+def test_speed_is_not_a_limit_a_setting_breaks():
+    from rltune.tune.pick import limit_breaking_settings
+
+    slow = {**BASE, "micro_batch_size": 32}
+    assert limit_breaking_settings([(BASE, "ok", []), (slow, "reject", ["speed"])]) == []
+    every = ["sample_age_mean", "sample_age_max", "trials_cut_off", "trials_failed"]
+    assert limit_breaking_settings([(BASE, "ok", []), (slow, "reject", every)]) == [{("micro_batch_size", 32)}]
+
+
+def test_pick_skips_a_limit_breaking_setting_but_keeps_the_forecast_order_of_the_rest():
+    from rltune.contracts.forecast import Forecast
+    from rltune.tune.pick import pick
+
+    f = [_forecast(c, s, o) for c, s, o in [
+        ("async+mbs", 1.5, {"rl_mode": "fully_async", "micro_batch_size": 32}),
+        ("packing+mbs", 1.8, {"packing": True, "micro_batch_size": 32}),
+        ("mbs", 2.0, {"micro_batch_size": 32}),
+    ]]
+    forecast = Forecast(schema_version=1, job="job.yaml", candidates_file="candidates.yaml", library="cases",
+                        baseline_step_s=3.0, forecasts=f)
+    broke = [{("rl_mode", "fully_async")}]
+    assert pick(forecast, BASE).candidate == "async+mbs"
+    assert pick(forecast, BASE, broke_limits=broke).candidate == "packing+mbs"
+    # a set of two values bans their combination only; as a crash, it also puts setups sharing them last
+    pair = [{("rl_mode", "fully_async"), ("packing", True)}]
+    assert pick(forecast, BASE, broke_limits=pair).candidate == "async+mbs"
+    assert pick(forecast, BASE, failed=pair).candidate == "mbs"
+    assert pick(forecast, BASE, broke_limits=[*broke, {("micro_batch_size", 32)}]) is None
+
+
+def test_limit_breaking_sets_come_from_the_journal(tmp_path):
+    loop = AutoLoop(DEMO, tmp_path / "tune", tuned_dir=tmp_path / "tuned")
+    loop.journal.append("baseline", knobs=dict(BASE))
+    loop.journal.append("trial", knobs={**BASE, "rl_mode": "fully_async", "packing": True}, decision="reject",
+                        failed_limits=["speed", "gap"])
+    loop.journal.append("trial", knobs={**BASE, "packing": True}, decision="keep", failed_limits=[])
+    loop.journal.append("trial", knobs={**BASE, "packing": True, "micro_batch_size": 32}, decision="reject",
+                        failed_limits=["speed"])
+    assert loop._limit_breaking_settings() == [{("rl_mode", "fully_async")}]
+    assert loop._failed_settings() == []
