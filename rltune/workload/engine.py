@@ -33,6 +33,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from rltune.workload.heap import frozen_heap
+
 
 @dataclass
 class EngineSettings:
@@ -467,6 +469,7 @@ def engine_main(index: int, settings: EngineSettings, in_queue, out_queue) -> No
     try:
         _drop_stdlib_shadows()
         engine = Engine(index, settings, out_queue)
-        engine.serve(in_queue)
+        with frozen_heap():  # the model and torch stay out of the collector's walks while it serves
+            engine.serve(in_queue)
     except Exception:  # report any crash to the orchestrator, which turns it into an RltuneError
         out_queue.put(("error", index, traceback.format_exc()))

@@ -27,6 +27,7 @@ from typing import Any
 from rltune.contracts.schema import dump_yaml
 from rltune.errors import RltuneError
 from rltune.workload.config import WorkloadConfig
+from rltune.workload.heap import frozen_heap
 from rltune.workload.rollout import EngineClient, Group, Rollout
 
 
@@ -355,7 +356,8 @@ def run_job(cfg: WorkloadConfig, run_dir: str | os.PathLike, steps: int | None =
         mode = cfg.orchestrator.rl_mode
         runner = {"sync": job.run_sync, "one_step_async": job.run_one_step_async,
                   "fully_async": job.run_fully_async}[mode]
-        runner(cfg.orchestrator.steps)
+        with frozen_heap():  # what start-up built stays out of the collector's walks while the steps run
+            runner(cfg.orchestrator.steps)
     finally:
         job.close()
         trainer.stop()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from rltune.workload.config import WorkloadConfig
 from rltune.workload.grpo import clipped_policy_loss
+from rltune.workload.heap import frozen_heap
 from rltune.workload.model import build_model, resolve_device, torch_dtype
 from rltune.workload.tokenizer import TOKENIZER
 
@@ -333,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             run_job(cfg, args.run_dir, steps=args.steps, trainer=DistributedTrainer(trainer))
         else:
-            follow(trainer)
+            with frozen_heap():  # as rank 0's steps run (run_job)
+                follow(trainer)
     except RltuneError as exc:
         print(f"rltune: {exc}", file=sys.stderr)
         return 2
