@@ -14,7 +14,8 @@ the noise -- the baseline's measured spread, at least limits.noise_pct (a smalle
 again first) -- with the trainer-rollout gap, sample age and trial shares within their limits.
 verdict.yaml lands in the run directory and the run joins the case library with the forecast
 made before it. Without --candidate it runs the one 'rltune auto' would: the first worth a trial
-in the forecast's order that the library has not measured and that holds no crashed setting.
+in the forecast's order that the library has not measured and that holds no setting that crashed
+or broke a numerical limit in the library's runs of the job.
 
 Exit code: 0 kept, 3 rejected (a limit failed), 4 the job failed (crashed, timed out or measured
 nothing), 2 bad input.
@@ -102,12 +103,13 @@ def _beside(forecast: Path, named: str) -> Path:
 
 def _pick(spec, predicted, candidates, lib):
     """The candidate 'rltune auto' would run next, with what the library measured of this job."""
-    from rltune.tune.pick import failed_settings, pick
+    from rltune.tune.pick import failed_settings, limit_breaking_settings, pick
+    from rltune.tune.trial import library_outcomes
 
-    records = [r for r in lib.load() if r.job == spec.name] if lib.path.is_dir() else []
-    measured = [({**spec.knobs, **r.knobs}, "failed" if r.status != "ok" else "ok") for r in records]
-    return pick(predicted, candidates.baseline_knobs, failed=failed_settings(measured),
-                tried=[candidates.baseline_knobs, *[knobs for knobs, _ in measured]])
+    measured = library_outcomes(spec, lib.load() if lib.path.is_dir() else [])
+    return pick(predicted, candidates.baseline_knobs, failed=failed_settings((k, d) for k, d, _ in measured),
+                broke_limits=limit_breaking_settings(measured),
+                tried=[candidates.baseline_knobs, *[knobs for knobs, _, _ in measured]])
 
 
 def _show(verdict) -> None:

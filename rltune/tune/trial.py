@@ -94,6 +94,33 @@ def record_case(library: Any, job: JobSpec, run: RecordedRun, forecast: Candidat
     library.append(record)
 
 
+def library_outcomes(job: JobSpec, records: list[Any]) -> list[tuple[dict[str, KnobValue], str, list[str]]]:
+    """(knobs, 'failed' or 'ok', numerical limits it broke) of each of ``job``'s cases in the library.
+
+    What ``rltune auto`` reads from its journal, for ``rltune trial``, which has only the library: each
+    case is held to the limits through its means over the measured steps, against the job's untuned
+    cases (those with the job's own knobs) as its baseline, or against itself where the library has
+    none (the gap is then not measured; the sample ages still are). The oldest sample is the mean of
+    each step's oldest, never above the run's: a break it shows is real, one it hides is not counted.
+    """
+    from rltune.tune.pick import NUMERICAL_LIMITS
+
+    def row(record: Any) -> dict[str, Any]:
+        return {**record.measured, "run_id": record.run_id, "step": 0, "warmup": False}
+
+    mine = [r for r in records if r.job == job.name]
+    untuned = [row(r) for r in mine if r.status == "ok" and {**job.knobs, **r.knobs} == dict(job.knobs)]
+    out = []
+    for record in mine:
+        knobs = {**job.knobs, **record.knobs}
+        if record.status != "ok":
+            out.append((knobs, "failed", []))
+            continue
+        judged = judge(job.limits, untuned or [row(record)], [row(record)], untuned)
+        out.append((knobs, "ok", [name for name in judged.failed_names() if name in NUMERICAL_LIMITS]))
+    return out
+
+
 @dataclass
 class TrialOutcome:
     verdict: Verdict

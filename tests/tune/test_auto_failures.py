@@ -148,3 +148,38 @@ def test_limit_breaking_sets_come_from_the_journal(tmp_path):
                         failed_limits=["speed"])
     assert loop._limit_breaking_settings() == [{("rl_mode", "fully_async")}]
     assert loop._failed_settings() == []
+
+
+def test_rltune_trial_reads_limit_breaks_from_the_library_the_way_auto_reads_its_journal(tmp_path):
+    """Cases written through the library, held to the job's limits through their means: the gap
+    against the job's untuned cases, the sample ages absolute; a crash is 'failed'."""
+    import pyarrow as pa
+
+    from rltune.contracts.job import load_job
+    from rltune.predict.library import CaseLibrary, case_from_run
+    from rltune.tune.pick import limit_breaking_settings
+    from rltune.tune.trial import library_outcomes
+
+    job = load_job(DEMO)
+    lib = CaseLibrary(tmp_path / "cases")
+
+    def add(run_id, knobs, gap, age_max=0.0, status="ok"):
+        rows = [dict(step=s, step_s=2.0, rollout_s=1.0, training_s=0.9, weight_sync_s=0.1, gap=gap,
+                     sample_age_mean=min(age_max, 1.0), sample_age_max=age_max, trials_total=8.0,
+                     trials_cut_off=0.0, trials_failed=0.0) for s in range(4)]
+        lib.append(case_from_run(job, knobs, pa.Table.from_pylist(rows), run_id, 1.0, 2.0, status, None, 1))
+
+    untuned = dict(job.knobs)
+    async_ = {**untuned, "rl_mode": "fully_async", "micro_batch_size": untuned["micro_batch_size"] * 2}
+    add("r0-untuned", untuned, gap=0.004)
+    add("r1-a1", async_, gap=0.009, age_max=2.0)  # over 2 x the untuned gap
+    add("r1-a2", {**untuned, "micro_batch_size": untuned["micro_batch_size"] * 2}, gap=0.005)
+    add("r1-a3", {**untuned, "packing": True}, gap=0.004, age_max=job.limits.sample_age_max + 1.0)
+    add("r1-a4", {**untuned, "engine_compile": True}, gap=0.0, status="failed")
+    outcomes = library_outcomes(job, lib.load())
+    assert [(d, b) for _, d, b in outcomes] == [("ok", []), ("ok", ["gap"]), ("ok", []), ("ok", ["sample_age_max"]),
+                                                ("failed", [])]
+    assert limit_breaking_settings(outcomes) == [{("rl_mode", "fully_async")}, {("packing", True)}]
+    # without an untuned case the gap is not judged; the sample ages still are
+    only = [r for r in lib.load() if r.run_id != "r0-untuned"]
+    assert [b for _, _, b in library_outcomes(job, only)] == [[], [], ["sample_age_max"], []]
