@@ -206,6 +206,45 @@ def test_checksum_pairs_of_many_tensors_equal_the_references_on_one_or_two_threa
     assert K.checksum_pairs([], []) == []
 
 
+def _float32_with_every_rounding_case(n: int, seed: int) -> torch.Tensor:
+    """Random float32 weights with NaNs (both signs, several payloads), infinities, zeros, subnormals,
+    the largest finite values (which round to infinity in bf16) and halfway cases of both parities."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-(1 << 31), (1 << 31) - 1, (n,), dtype=torch.int32, generator=g)
+    special = [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF812345, 0x7FFFFFFF, 0x7F800000, 0xFF800000, 0, 0x80000000,
+               0x00000001, 0x807FFFFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x3F808000, 0x3F818000, 0x3F80FFFF, 0x3F817FFF]
+    special_bits = torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in special], dtype=torch.int32)
+    at = torch.randint(0, max(n, 1), (min(n, 4 * len(special)),), generator=g)
+    bits[at] = special_bits.repeat(4)[:at.numel()]
+    return bits.view(torch.float32)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_checksum_pairs_of_float32_weights_sent_as_bfloat16_equal_those_of_their_cast(threads):
+    # the live check of fp32 master weights published as bf16 rounds inside the pass: it must give what
+    # torch's cast and the references give, for every rounding case, across run (2**16) and 2**32 bounds
+    from rltune.sync.kernels.cpu_kernels import _WEIGHT_TABLE_MAX, checksum_pairs_cpu
+
+    sizes = [*AWKWARD_SIZES, 200_003, 1_100_000, 1_100_000]
+    weights = [_float32_with_every_rounding_case(n, seed=n) for n in sizes]
+    # small offsets read their weights from the kept table; one tensor runs past its end (hashed there),
+    # one lies past 2**32 (never in a table)
+    offsets = [65_530 + n for n in AWKWARD_SIZES] + [_WEIGHT_TABLE_MAX - 5000, 3, (1 << 32) - 70_000]
+    cast = [w.to(torch.bfloat16) for w in weights]
+    want = [(R.checksum_ref(R.as_bits(c), o), R.checksum2_ref(R.as_bits(c), o)) for c, o in zip(cast, offsets, strict=True)]
+    assert any(torch.isnan(c).any() for c in cast) and any(torch.isinf(c).any() for c in cast)
+    assert checksum_pairs_cpu(weights, offsets, threads=threads, bf16_of_f32=[True] * len(sizes)) == want
+    assert K.checksum_pairs(weights, offsets, wire_dtype=torch.bfloat16) == want
+    assert K.checksum_pairs(cast, offsets, wire_dtype=torch.bfloat16) == want  # already in the wire dtype
+    # a float32 tensor sent as float32, and integer bits, are not cast by a floating wire dtype
+    assert K.checksum_pairs([weights[-1], R.as_bits(cast[-1])], [3, 3], wire_dtype=torch.bfloat16)[1] == \
+        (R.checksum_ref(R.as_bits(cast[-1]), 3), R.checksum2_ref(R.as_bits(cast[-1]), 3))
+    assert K.checksum_pairs([weights[-1]], [3]) == [(R.checksum_ref(R.as_bits(weights[-1]), 3),
+                                                     R.checksum2_ref(R.as_bits(weights[-1]), 3))]
+    with pytest.raises(TypeError, match="float32"):
+        checksum_pairs_cpu([cast[-1]], [0], bf16_of_f32=[True])
+
+
 def test_checksum_of_a_float_tensor_uses_its_wire_bits():
     t = torch.randn(3000, dtype=torch.bfloat16).to(DEVICE)
     assert K.checksum(t, backend="triton") == R.checksum_ref(R.as_bits(t.cpu()))

@@ -172,14 +172,26 @@ def checksum_pair(t: torch.Tensor, offset: int = 0, backend: str = "auto") -> tu
     return checksum_pairs([t], [offset], backend)[0]
 
 
-def checksum_pairs(tensors: list[torch.Tensor], offsets: list[int], backend: str = "auto") -> list[tuple[int, int]]:
-    """:func:`checksum_pair` of each tensor (its elements start at the matching offset). CPU bits go
-    through one compiled pass each, split over two threads (``cpu_kernels.checksum_pairs_cpu``)."""
-    bits = [_bits(t) for t in tensors]
-    on_cpu = all(b.device.type == "cpu" and b.dtype in _MASK_OF_BITS for b in bits)
-    cpu_kernels = _cpu_kernels() if on_cpu and not (bits and _use_triton(bits[0].device, backend)) else None
+def checksum_pairs(tensors: list[torch.Tensor], offsets: list[int], backend: str = "auto",
+                   wire_dtype: torch.dtype | None = None) -> list[tuple[int, int]]:
+    """:func:`checksum_pair` of each tensor (its elements start at the matching offset), of its wire bits
+    as sent in ``wire_dtype``: floating tensors of another dtype cast to it, as
+    :func:`~rltune.sync.ops.wire_bits` does (None: each in its own dtype). CPU bits go through one
+    compiled pass each, split over two threads (``cpu_kernels.checksum_pairs_cpu``); float32 tensors
+    sent as bfloat16 are rounded inside that pass, with no cast copy of them."""
+    def needs_cast(t: torch.Tensor) -> bool:
+        return wire_dtype is not None and t.is_floating_point() and t.dtype != wire_dtype
+
+    fused = [needs_cast(t) and t.dtype == torch.float32 and wire_dtype == torch.bfloat16 for t in tensors]
+    on_cpu = all(t.device.type == "cpu" for t in tensors)
+    cpu_kernels = _cpu_kernels() if on_cpu and not (tensors and _use_triton(tensors[0].device, backend)) else None
     if cpu_kernels is not None:
-        return cpu_kernels.checksum_pairs_cpu([b.contiguous() for b in bits], list(offsets))
+        sources = [t.detach().contiguous() if f else _bits(t.detach().to(wire_dtype) if needs_cast(t) else t)
+                   for t, f in zip(tensors, fused, strict=True)]
+        if all(f or b.dtype in _MASK_OF_BITS for b, f in zip(sources, fused, strict=True)):
+            return cpu_kernels.checksum_pairs_cpu([s.contiguous() for s in sources], list(offsets),
+                                                  bf16_of_f32=fused)
+    bits = [_bits(t.detach().to(wire_dtype) if needs_cast(t) else t) for t in tensors]
     return [(checksum(b, o, backend), checksum2(b, o, backend)) for b, o in zip(bits, offsets, strict=True)]
 
 

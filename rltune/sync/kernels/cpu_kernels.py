@@ -17,6 +17,7 @@ Shapes: ``idx_C`` int64 checkpoint indices, ``val_C`` int32 (wrapped differences
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
@@ -32,8 +33,8 @@ _P31 = (1 << 31) - 1
 @numba.njit(cache=True, nogil=True, inline="always")
 def _mix32(x):
     # checksum2's finaliser (kernels.reference.mix32_ref) in uint32 arithmetic: every result is cast
-    # back, so products wrap mod 2**32, and the vector multiplies are 32-bit (with _pair_run's constant
-    # fold, 10-15 % off a one-thread checksum pair pass, which the hash bounds)
+    # back, so products wrap mod 2**32, and in a loop of 32-bit lanes (_hash_weights) the vector
+    # multiplies are 32-bit
     x = np.uint32(x ^ (x >> np.uint32(16)))
     x = np.uint32(x * np.uint32(0x7FEB352D))
     x = np.uint32(x ^ (x >> np.uint32(15)))
@@ -188,50 +189,142 @@ def _checksum_bits(bits_N, offset, mask):
     return total
 
 
-_CHECKSUM2_RUN = 1 << 16  # elements summed unreduced: 2**16 terms below 2**46 stay below 2**62
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _pair_run(bits_N, offset, start, stop, mask, fold):
-    # one run's sums: checksum's terms (mod 2**64) and checksum2's w * u, folded below 2**32 first when
-    # ``fold`` (32-bit elements, whose terms reach 2**62); a constant ``fold`` keeps the loop vectorised
-    run_c, run_a, run_b = np.uint64(0), np.uint64(0), np.uint64(0)
-    for k in range(start, stop):
-        i = np.uint64(offset + k)
-        wa, wb = _weights2(i)
-        u = np.uint64(np.uint32(bits_N[k]) & np.uint32(mask))  # congruent to u mod P, all a lane needs
-        run_c += (i + np.uint64(1)) * u
-        if fold:
-            run_a += _fold(wa * u)
-            run_b += _fold(wb * u)
-        else:
-            run_a += wa * u
-            run_b += wb * u
-    return run_c, run_a, run_b
+# The pair pass (checksum and checksum2 of every element) in runs of 2**16 positions aligned to the
+# absolute position, so a run's positions share their high 32 bits: one hash of them per run, and
+# the terms of a run summed unreduced (w * u below 2**46 for elements of 16 bits or fewer; 32-bit
+# ones folded below 2**32 first). Inside a run, blocks of _WEIGHT_BLOCK positions: one loop hashes
+# their checksum2 weights in 32-bit lanes (16 to an AVX-512 vector), a second one multiplies and
+# sums them with the elements in 64-bit lanes. One loop doing both ran every operation in 64-bit
+# lanes: ~1 ns an element on one core of the 2-vCPU machine, against ~0.5 ns so.
+_CHECKSUM2_RUN = 1 << 16
+_WEIGHT_BLOCK = 2048  # two blocks of uint32 weights: 16 KiB, in L1
+# what the pair pass reads: wire bits of at most 16 bits (masked), 32-bit wire bits, or float32
+# weights whose wire bits are their bfloat16 cast (torch's rounding; no cast tensor is made)
+_NARROW_BITS, _WIDE_BITS, _F32_AS_BF16 = 0, 1, 2
 
 
 @numba.njit(cache=True, nogil=True)
-def _pair_lanes(bits_N, offset, mask):
-    # checksum (mod 2**64) and checksum2's two lanes (kernels.reference) in one pass. A remainder per
-    # element made one long dependency chain of the sum; instead the terms w * u of a run are summed
-    # as they are (below 2**46 for elements of 16 bits or fewer; 32-bit ones, below 2**62, folded
-    # below 2**32 first) and each run's sums reduced mod P once.
+def _hash_weights(lo0, hi_hash, n, wa_out, wb_out):
+    # checksum2's weights (kernels.reference.checksum2_weights_ref) of the n positions whose low 32 bits
+    # are lo0, lo0 + 1, ... (no carry out of them) and whose high half hashes to hi_hash
+    m30 = np.uint32((1 << 30) - 1)
+    for r in range(n):
+        h = _mix32(np.uint32(np.uint32(lo0 + np.uint32(r)) ^ hi_hash))
+        wa_out[r] = np.uint32(np.uint32(h & m30) + np.uint32(1))
+        wb_out[r] = np.uint32(np.uint32(_mix32(np.uint32(h ^ np.uint32(0x5BD1E995))) & m30) + np.uint32(1))
+
+
+@numba.njit(cache=True, nogil=True)
+def _sums_narrow(seg, mask, r0, wa, wb):
+    # elements of 16 bits or fewer at run positions r0, r0 + 1, ... (< 2**16): sum u, sum r * u (each term
+    # below 2**32, a uint32 product) and both lanes' sum w * u
+    s_u, s_ru, s_a, s_b = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
+    for r in range(seg.shape[0]):
+        u = np.uint32(np.uint32(seg[r]) & mask)
+        s_u += np.uint64(u)
+        s_ru += np.uint64(np.uint32(np.uint32(r0 + r) * u))
+        s_a += np.uint64(wa[r]) * np.uint64(u)
+        s_b += np.uint64(wb[r]) * np.uint64(u)
+    return s_u, s_ru, s_a, s_b
+
+
+@numba.njit(cache=True, nogil=True)
+def _sums_f32_as_bf16(seg, r0, wa, wb):
+    # float32 bits (int32) -> bfloat16 bits as torch casts on a CPU (round to nearest even; every NaN to
+    # 0xFFFF), then as _sums_narrow
+    s_u, s_ru, s_a, s_b = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
+    for r in range(seg.shape[0]):
+        x = np.uint32(seg[r])
+        rounded = np.uint32(np.uint32(x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        u = np.uint32(0xFFFF) if np.uint32(x & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rounded
+        s_u += np.uint64(u)
+        s_ru += np.uint64(np.uint32(np.uint32(r0 + r) * u))
+        s_a += np.uint64(wa[r]) * np.uint64(u)
+        s_b += np.uint64(wb[r]) * np.uint64(u)
+    return s_u, s_ru, s_a, s_b
+
+
+@numba.njit(cache=True, nogil=True)
+def _sums_wide(seg, r0, wa, wb):
+    # 32-bit elements: r * u below 2**48 (sums wrap mod 2**64, the checksum's ring), w * u below 2**62
+    # folded below 2**32
+    s_u, s_ru, s_a, s_b = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
+    for r in range(seg.shape[0]):
+        u = np.uint64(np.uint32(seg[r]))
+        s_u += u
+        s_ru += np.uint64(r0 + r) * u
+        s_a += _fold(np.uint64(wa[r]) * u)
+        s_b += _fold(np.uint64(wb[r]) * u)
+    return s_u, s_ru, s_a, s_b
+
+
+@numba.njit(cache=True, nogil=True)
+def _pair_lanes(bits_N, offset, kind, mask, table_a, table_b):
+    # checksum (mod 2**64) and checksum2's two lanes (kernels.reference) of elements at absolute positions
+    # offset, offset + 1, ...: per run, sum (i + 1) * u = (start + 1) * sum u + sum r * u, and the lanes'
+    # sums reduced mod P once. Weights of positions below len(table_a) come from the tables
     p = np.uint64(_P31)
+    table_n = table_a.shape[0]
     c, a, b = np.uint64(0), np.uint64(0), np.uint64(0)
+    wa = np.empty(_WEIGHT_BLOCK, dtype=np.uint32)
+    wb = np.empty(_WEIGHT_BLOCK, dtype=np.uint32)
     n = bits_N.shape[0]
-    for start in range(0, n, _CHECKSUM2_RUN):
-        stop = min(start + _CHECKSUM2_RUN, n)
-        if mask > 0xFFFF:
-            run_c, run_a, run_b = _pair_run(bits_N, offset, start, stop, mask, True)
-        else:
-            run_c, run_a, run_b = _pair_run(bits_N, offset, start, stop, mask, False)
-        c += run_c
-        a = (a + run_a % p) % p
-        b = (b + run_b % p) % p
+    k = 0
+    while k < n:
+        i = np.uint64(offset + k)
+        k1 = min(n, k + np.int64(((i | np.uint64(_CHECKSUM2_RUN - 1)) + np.uint64(1)) - i))
+        hi_hash = np.uint32(np.uint32(i >> np.uint64(32)) * np.uint32(0x9E3779B9))
+        lo = np.uint32(i & np.uint64(0xFFFFFFFF))
+        s_u, s_ru, s_a, s_b = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
+        for kb in range(k, k1, _WEIGHT_BLOCK):
+            m = min(_WEIGHT_BLOCK, k1 - kb)
+            r0 = kb - k
+            at = offset + kb
+            if at + m <= table_n:
+                block_a, block_b = table_a[at:at + m], table_b[at:at + m]
+            else:
+                _hash_weights(np.uint32(lo + np.uint32(r0)), hi_hash, m, wa, wb)
+                block_a, block_b = wa, wb
+            seg = bits_N[kb:kb + m]
+            if kind == _NARROW_BITS:
+                t_u, t_ru, t_a, t_b = _sums_narrow(seg, np.uint32(mask), r0, block_a, block_b)
+            elif kind == _F32_AS_BF16:
+                t_u, t_ru, t_a, t_b = _sums_f32_as_bf16(seg, r0, block_a, block_b)
+            else:
+                t_u, t_ru, t_a, t_b = _sums_wide(seg, r0, block_a, block_b)
+            s_u += t_u
+            s_ru += t_ru
+            s_a += t_a
+            s_b += t_b
+        c += (i + np.uint64(1)) * s_u + s_ru
+        a = (a + s_a % p) % p
+        b = (b + s_b % p) % p
+        k = k1
     return c, a, b
 
 
 _MASKS = {np.dtype("int16"): 0xFFFF, np.dtype("int32"): 0xFFFFFFFF, np.dtype("uint8"): 0xFF}
+
+# checksum2's weights of positions [0, N), kept for the pair passes: a position's weights never change,
+# and every tensor's positions start at 0 (a rank's share at its rows' offset), so a model's live check
+# hashes the same positions at every publish. Read back from the caches they cost about half what
+# hashing them does (on the 2-vCPU machine, one thread over a 76 M-element model in float32: 27 against
+# 46 ms). Capped at 4 Mi positions (32 MiB); positions past the table are hashed as before.
+_WEIGHT_TABLE_MAX = 1 << 22
+_weight_table: tuple[np.ndarray, np.ndarray] = (np.zeros(0, dtype=np.uint32), np.zeros(0, dtype=np.uint32))
+_weight_table_lock = threading.Lock()
+
+
+def _weights_table(positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """The kept weight tables, grown (once, up to the cap) to cover positions [0, ``positions``)."""
+    global _weight_table
+    want = min(positions, _WEIGHT_TABLE_MAX)
+    with _weight_table_lock:
+        if _weight_table[0].shape[0] < want:
+            wa, wb = np.empty(want, dtype=np.uint32), np.empty(want, dtype=np.uint32)
+            _hash_weights(np.uint32(0), np.uint32(0), want, wa, wb)  # positions below 2**32: high hash 0
+            _weight_table = (wa, wb)
+        return _weight_table
 
 
 def checksum_cpu(bits_N: torch.Tensor, offset: int = 0) -> int:
@@ -260,24 +353,42 @@ def checksum2_cpu(bits_N: torch.Tensor, offset: int = 0) -> int:
     return checksum_pairs_cpu([bits_N], [offset], threads=1)[0][1]
 
 
-def checksum_pairs_cpu(bits: list[torch.Tensor], offsets: list[int], threads: int | None = None) -> list[tuple[int, int]]:
+def checksum_pairs_cpu(bits: list[torch.Tensor], offsets: list[int], threads: int | None = None,
+                       bf16_of_f32: list[bool] | None = None) -> list[tuple[int, int]]:
     """``(checksum, checksum2)`` of each CPU bits tensor, both from one compiled pass over it.
 
-    checksum2's position hash is compute bound here (~1 ns an element on this machine's cores, against
-    ~0.1 ns for checksum alone), so with ``threads`` > 1 the tensors are split between this thread and
-    a second one (:func:`apply_threads`); the pass holds no GIL.
+    ``bf16_of_f32[j]``: ``bits[j]`` holds float32 weights whose wire bits are their bfloat16 cast (fp32
+    master weights sent as bf16): the pass rounds each element as torch's cast does, so no cast copy is
+    made (on the 2-vCPU machine, casting a 76 M-element model cost more than checksumming it).
+    checksum2's position hash is compute bound here (~0.5 ns an element on one of this machine's cores,
+    against ~0.1 ns for checksum alone), so with ``threads`` > 1 the tensors are split between this
+    thread and a second one (:func:`apply_threads`); the pass holds no GIL.
     """
     from rltune.sync.kernels.reference import checksum2_pack
 
-    views = [_view_and_mask(t, "checksum_pairs_cpu") for t in bits]
-    out: list[tuple[int, int]] = [(0, 0)] * len(views)
+    as_bf16 = bf16_of_f32 or [False] * len(bits)
+    jobs = []
+    for t, f32 in zip(bits, as_bf16, strict=True):
+        if f32:
+            if t.dtype != torch.float32:
+                raise TypeError(f"checksum_pairs_cpu: bf16_of_f32 takes float32 tensors, not {t.dtype}")
+            jobs.append((t.detach().reshape(-1).view(torch.int32).numpy(), _F32_AS_BF16, 0xFFFF))
+        else:
+            view, mask = _view_and_mask(t, "checksum_pairs_cpu")
+            jobs.append((view, _WIDE_BITS if mask > 0xFFFF else _NARROW_BITS, mask))
+    out: list[tuple[int, int]] = [(0, 0)] * len(jobs)
+    sizes = [view.shape[0] for view, _, _ in jobs]
+    # only passes worth a second thread keep a table (a few tiny tensors hash faster than one is made)
+    reach = max((int(o) + n for o, n in zip(offsets, sizes, strict=True) if int(o) < _WEIGHT_TABLE_MAX), default=0)
+    table_a, table_b = _weights_table(reach) if sum(sizes) >= _PARALLEL_MIN_ELEMENTS else _weight_table
 
     def run(chosen: list[int]) -> None:
         for j in chosen:
-            c, a, b = _pair_lanes(views[j][0], int(offsets[j]), views[j][1])
+            view, kind, mask = jobs[j]
+            c, a, b = _pair_lanes(view, int(offsets[j]), kind, mask, table_a, table_b)
             out[j] = (int(c), checksum2_pack(int(a), int(b)))
 
-    _split_two([v.shape[0] for v, _ in views], run, threads, _PARALLEL_MIN_ELEMENTS)
+    _split_two(sizes, run, threads, _PARALLEL_MIN_ELEMENTS)
     return out
 
 
@@ -369,21 +480,30 @@ def apply_threads() -> int:
 
 
 def _split_two(sizes: list[int], run, threads: int | None, min_total: int) -> None:
-    """``run(items)`` over every item, split in two halves of about equal size (largest first) between
-    this thread and the pool's when ``threads`` > 1 and there is enough work."""
+    """``run(items)`` over every item, on this thread and the pool's when ``threads`` > 1 and there is
+    enough work: each thread takes the largest item left until none is, so a thread whose core other
+    work shares takes fewer (two fixed halves made the pass wait for the slower core)."""
     threads = apply_threads() if threads is None else threads
     if threads < 2 or sum(sizes) < min_total or len(sizes) < 2:
         run(list(range(len(sizes))))
         return
-    halves: list[list[int]] = [[], []]
-    load = [0, 0]
-    for j in sorted(range(len(sizes)), key=lambda j: -sizes[j]):
-        k = 0 if load[0] <= load[1] else 1
-        halves[k].append(j)
-        load[k] += sizes[j]
-    second = _pool().submit(run, halves[1])
-    run(halves[0])
-    second.result()
+    order = sorted(range(len(sizes)), key=lambda j: -sizes[j])
+    taken = iter(order)
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                j = next(taken, None)
+            if j is None:
+                return
+            run([j])
+
+    second = _pool().submit(work)
+    try:
+        work()
+    finally:
+        second.result()
 
 
 def apply_deltas_cpu(targets: list[torch.Tensor], layouts: list[dict], entry_tensor_E: torch.Tensor,
