@@ -216,12 +216,18 @@ def _open_part(path: Path, what: str):
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Write to a temporary name in the same directory, fsync, rename: readers see all or nothing."""
+    os.replace(write_temporary(path, data), path)
+
+
+def write_temporary(path: Path, data: bytes) -> Path:
+    """The first half of :func:`write_atomic`: ``data`` written and fsync'd under the temporary name of
+    ``path`` (returned); renaming it to ``path`` publishes it."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    return tmp
 
 
 def save_safetensors_atomic(state: dict, path: Path, metadata: dict[str, str]) -> None:

@@ -125,16 +125,22 @@ def test_plain_coded_deltas_carry_the_entropy_coded_changes_and_engines_follow_t
             assert fmt.read_entry_bytes(path, start, e)[0] == codec.MODE_PLAIN
 
 
-def test_a_weight_changed_outside_the_step_raises(tmp_path):
-    tr = Trainer(tmp_path)
+@pytest.mark.parametrize("dtype,wire", [(torch.bfloat16, None), (torch.float32, torch.bfloat16)])
+def test_a_weight_changed_outside_the_step_raises(tmp_path, dtype, wire):
+    tr = Trainer(tmp_path, dtype=dtype, wire_dtype=wire)
     tr.pub.publish(0)
     with torch.no_grad():
         tr.model.model.norm.weight[3] += 1.0
     tr.train_step()
-    with pytest.raises(fmt.WeightChangedOutsideStepError):
+    with pytest.raises(fmt.WeightChangedOutsideStepError, match="model.norm.weight"):
         tr.pub.publish(1)
+    # the delta's part was written beside the check: the refusal removed it, and nothing names step 1
+    assert os.listdir(tmp_path / fmt.step_dir_name(1)) == []
+    assert BroadcastStore(tmp_path).complete_steps() == [0]
     tr.pub.force_full()
     assert tr.pub.publish(2)["kind"] == "full"
+    tr.train_step()
+    assert tr.pub.publish(4)["kind"] == "delta"  # the running checksums follow the weights again
 
 
 def test_tied_weights_go_once_in_deltas_and_under_every_name_in_anchors(tmp_path):
