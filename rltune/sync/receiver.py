@@ -332,11 +332,12 @@ class DeltaReceiver:
         fmt.check_cover(step_dir, manifest, [(p, h) for p, _, h in out])
         return out
 
-    def _decoded_entries(self, step: int, m: dict):
-        """Each delta entry this worker holds any of, decoded: (checkpoint names it lands in, idx, diff).
+    def _held_entries(self, step: int, m: dict) -> list[tuple[list[str], Path, dict, memoryview, int]]:
+        """Each delta entry this worker holds any of: (checkpoint names it lands in, its part file, the
+        entry, its bytes (CRC-checked), its element bits).
 
         A tied tensor's changes land in every name tied to it; an entry whose tensors this worker
-        does not hold is not even read. The entries decode on the codec's threads (``codec.decode_many``).
+        does not hold is not even read.
         """
         if m["kind"] == "full":
             raise fmt.ChainError(f"{self.store.step_dir(step)}: step {step} is a full checkpoint, not a delta")
@@ -344,16 +345,24 @@ class DeltaReceiver:
         for name, t in m["tensors"].items():
             if t["tied_to"] is not None:
                 tied.setdefault(t["tied_to"], []).append(name)
-        held, streams = [], []
+        held = []
         for path, start, header in self._part_paths(step, m, "parts"):
+            mine = []
             for e in header["entries"]:
                 targets = [n for n in [e["name"], *tied.get(e["name"], [])]
                            if n in self.imap.tensors and self.imap.tensors[n].held]
                 if targets:
-                    held.append((targets, path, e))
-                    streams.append((fmt.read_entry_bytes(path, start, e), e["start"], e["stop"],
-                                    _DTYPE_BITS[m["tensors"][e["name"]]["dtype"]]))
-        for (targets, path, e), got in zip(held, codec.decode_many(streams), strict=True):
+                    mine.append((targets, e))
+            for (targets, e), data in zip(mine, fmt.read_entries_bytes(path, start, [e for _, e in mine]), strict=True):
+                held.append((targets, path, e, data, _DTYPE_BITS[m["tensors"][e["name"]]["dtype"]]))
+        return held
+
+    def _decoded_entries(self, step: int, m: dict):
+        """Each delta entry this worker holds any of, decoded on the codec's threads
+        (``codec.decode_many``): (checkpoint names it lands in, idx, diff)."""
+        held = self._held_entries(step, m)
+        streams = [(data, e["start"], e["stop"], bits) for _, _, e, data, bits in held]
+        for (targets, path, e, _, _), got in zip(held, codec.decode_many(streams), strict=True):
             if isinstance(got, fmt.CodecError):  # the codec knows bytes only: name the file and the entry
                 raise fmt.CodecError(f"{path}: entry {e['name']}: {got}") from None
             idx, diff = got
@@ -382,20 +391,29 @@ class DeltaReceiver:
         ``prestage`` (the prefetch): also stage the patch itself where the backend can (:meth:`_prestage`).
         """
         self._fused_plan(m)
-        layouts, idx_parts, val_parts = [], [], []
-        for targets, idx, diff in self._decoded_entries(step, m):
-            # differences wrap modulo 2^bits; as int32 (sign-wrapped) they add exactly in the kernel
-            val = ((diff + (1 << 31)) & 0xFFFFFFFF) - (1 << 31)
-            for name in targets:
+        held = self._held_entries(step, m)
+        # one flat batch: each entry decodes straight into its slot (differences as sign-wrapped int32,
+        # which add exactly in the kernel); a tied tensor's names each get a copy of its changes
+        layouts, slots, copies, offsets = [], [], [], [0]
+        for targets, _, e, _, _ in held:
+            first = (offsets[-1], offsets[-1] + e["changes"])
+            slots.append(first)
+            for k, name in enumerate(targets):
                 layouts.append(self._layout_of[name])
-                idx_parts.append(idx)
-                val_parts.append(val)
-        lengths = [len(i) for i in idx_parts]
+                if k:
+                    copies.append((first, (offsets[-1], offsets[-1] + e["changes"])))
+                offsets.append(offsets[-1] + e["changes"])
+        at = offsets[-1]
+        idx_C, val_C = np.empty(at, dtype=np.int64), np.empty(at, dtype=np.int32)
+        streams = [(data, e["start"], e["stop"], bits) for _, _, e, data, bits in held]
+        for (_, path, e, _, _), error in zip(held, codec.decode_many_into(streams, idx_C, val_C, slots), strict=True):
+            if error is not None:  # the codec knows bytes only: name the file and the entry
+                raise fmt.CodecError(f"{path}: entry {e['name']}: {error}") from None
+        for (a, b), (c, d) in copies:
+            idx_C[c:d], val_C[c:d] = idx_C[a:b], val_C[a:b]
         host = dict(entry_tensor_E=torch.tensor(layouts, dtype=torch.int64),
-                    entry_offsets_E1=torch.tensor(np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))),
-                    idx_C=torch.from_numpy(np.concatenate(idx_parts) if idx_parts else np.zeros(0, np.int64)),
-                    val_C=torch.from_numpy((np.concatenate(val_parts) if val_parts else np.zeros(0, np.int64))
-                                           .astype(np.int32)))
+                    entry_offsets_E1=torch.tensor(offsets, dtype=torch.int64), idx_C=torch.from_numpy(idx_C),
+                    val_C=torch.from_numpy(val_C))
         dev = self.params[0].device
         if dev.type == "cuda":
             host = {k: v.pin_memory().to(dev, non_blocking=True) for k, v in host.items()}

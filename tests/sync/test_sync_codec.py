@@ -225,6 +225,48 @@ def test_decode_many_gives_decode_of_every_stream_and_each_bad_one_its_error_in_
     assert codec.decode_many([], threads=threads) == []
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_many_into_fills_each_slot_with_decode_of_its_stream_as_int32_differences(threads):
+    # what the fused apply reads: positions as int64, differences sign-wrapped to int32, every mode and
+    # width, each stream in its own slot of two shared arrays; a bad stream is its error in its place
+    rng = np.random.default_rng(11)
+    jobs, want = [], []
+    for k, numel, bits, mode in ((3, 10, 16, "plain"), (5000, 90000, 8, "plain"), (4000, 2**33, 32, "plain"),
+                                 (2 * codec.BLOCK_CHANGES + 5, 4 * codec.BLOCK_CHANGES, 16, "sparse"),
+                                 (900, 1000, 32, "dense"), (700, 800, 16, "auto")):
+        idx = np.sort(rng.choice(min(numel, 10**6), size=k, replace=False)).astype(np.int64) * (numel // 10**6 or 1) + 7
+        lim = 1 << (bits - 1)
+        diff = rng.integers(-lim, lim, size=k).astype(np.int64)
+        diff[diff == 0] = -lim  # the extremes of each width too
+        jobs.append((codec.encode(idx, diff, bits, 7, 7 + numel, mode=mode), 7, 7 + numel, bits))
+        want.append((idx, diff))
+    slots, at = [], 0
+    for idx, _ in want:
+        slots.append((at, at + len(idx)))
+        at += len(idx)
+    idx_out, val_out = np.full(at, -1, np.int64), np.zeros(at, np.int32)
+    assert codec.decode_many_into(jobs, idx_out, val_out, slots, threads=threads) == [None] * len(jobs)
+    for (a, b), (idx, diff) in zip(slots, want, strict=True):
+        assert np.array_equal(idx_out[a:b], idx)
+        assert np.array_equal(val_out[a:b], diff.astype(np.int32)) and np.array_equal(val_out[a:b].astype(np.int64), diff)
+    # a truncated stream and a slot of the wrong size: each its error, in its place; the others still decode
+    bad = [(jobs[1][0][:-3], *jobs[1][1:]), jobs[3], jobs[0]]
+    bad_slots = [slots[1], slots[3], (slots[0][0], slots[0][1] - 1)]
+    got = codec.decode_many_into(bad, idx_out, val_out, bad_slots, threads=threads)
+    assert isinstance(got[0], CodecError) and got[1] is None and isinstance(got[2], CodecError)
+    assert "decodes to 3 changes, its entry says 2" in str(got[2])
+    assert codec.decode_many_into([], idx_out, val_out, [], threads=threads) == []
+
+
+def test_a_plain_stream_is_checked_as_it_is_written():
+    for idx, diff, match in (([2, 1], [1, 1], "ascending"), ([1, 1], [1, 1], "ascending"), ([1, 10], [1, 1], "inside"),
+                             ([1, 2], [0, 1], "non-zero"), ([1, 2], [1, 1 << 15], "inside"), ([1], [1, 2], "equal-length")):
+        with pytest.raises(ValueError, match=match):
+            codec.encode(np.array(idx, np.int64), np.array(diff, np.int64), 16, 0, 10, mode="plain")
+    assert codec.decode(codec.encode(np.array([0, 9], np.int64), np.array([-(1 << 15), (1 << 15) - 1], np.int64), 16, 0,
+                                     10, mode="plain"), 0, 10)[1].tolist() == [-(1 << 15), (1 << 15) - 1]
+
+
 def test_encode_many_refuses_an_invalid_job_before_encoding_any():
     good = (np.array([1, 2], np.int64), np.array([1, -1], np.int64), 16, 0, 10)
     bad = (np.array([2, 1], np.int64), np.array([1, 1], np.int64), 16, 0, 10)

@@ -169,6 +169,33 @@ def test_part_header_golden_prefix_and_round_trip(tmp_path):
     assert fmt.read_entry_bytes(path, start, header["entries"][0]) == b"abcd"
 
 
+def test_entries_read_together_are_each_crc_checked_and_named(tmp_path):
+    blobs = [b"abcd", b"", b"0123456789", b"xyz"]
+    entries, offset = [], 0
+    for k, blob in enumerate(blobs):
+        entries.append(dict(name=f"t{k}", start=0, stop=100, offset=offset, length=len(blob), crc32=fmt.crc32(blob),
+                            changes=1))
+        offset += len(blob)
+    path = tmp_path / "rank-00000.delta"
+    path.write_bytes(fmt.encode_part(dict(kind="delta", run_id="r", attempt=A4, step=4, base_step=3, rank=0, world=1,
+                                          entries=entries), b"".join(blobs)))
+    header, start = fmt.read_part_header(path)
+    # any subset, in any order: each entry's own bytes
+    picked = [header["entries"][k] for k in (3, 0, 2)]
+    assert [bytes(b) for b in fmt.read_entries_bytes(path, start, picked)] == [b"xyz", b"abcd", b"0123456789"]
+    assert fmt.read_entries_bytes(path, start, []) == []
+    assert fmt.read_entry_bytes(path, start, header["entries"][1]) == b""
+    raw = bytearray(path.read_bytes())
+    raw[start + 4 + 3] ^= 1  # a bit of t2's bytes
+    path.write_bytes(bytes(raw))
+    assert bytes(fmt.read_entries_bytes(path, start, picked[:2])[1]) == b"abcd"  # t2 not read: not checked
+    with pytest.raises(fmt.CorruptBytesError, match="entry t2: CRC-32 mismatch"):
+        fmt.read_entries_bytes(path, start, picked)
+    path.write_bytes(bytes(raw[:start + 10]))  # cut inside t2
+    with pytest.raises(fmt.TruncatedFileError, match="entry t2 ends past the end"):
+        fmt.read_entries_bytes(path, start, header["entries"])
+
+
 def test_oversized_header_is_refused_before_it_is_read(tmp_path):
     path = tmp_path / "rank-00000.delta"
     path.write_bytes(struct.pack("<8sII", fmt.MAGIC, 2, fmt.MAX_HEADER_BYTES + 1) + b"{}")

@@ -245,10 +245,10 @@ class _ReadMeter:
         from rltune.sync import format as fmt
 
         self.fmt, self.seconds, self.bytes = fmt, 0.0, 0
-        self.available = all(hasattr(fmt, n) for n in ("read_part_header", "read_entry_bytes"))
+        self.available = all(hasattr(fmt, n) for n in ("read_part_header", "read_entries_bytes"))
         if not self.available:
             return
-        original_header, original_entry = fmt.read_part_header, fmt.read_entry_bytes
+        original_header, original_entries = fmt.read_part_header, fmt.read_entries_bytes
 
         def read_part_header(path, *args, **kwargs):
             t0 = time.perf_counter()
@@ -259,16 +259,16 @@ class _ReadMeter:
             self.bytes += out[1]  # the prefix and header read
             return out
 
-        def read_entry_bytes(*args, **kwargs):
+        def read_entries_bytes(*args, **kwargs):
             t0 = time.perf_counter()
             try:
-                data = original_entry(*args, **kwargs)
+                chunks = original_entries(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - t0
-            self.bytes += len(data)
-            return data
+            self.bytes += sum(len(c) for c in chunks)
+            return chunks
 
-        fmt.read_part_header, fmt.read_entry_bytes = read_part_header, read_entry_bytes
+        fmt.read_part_header, fmt.read_entries_bytes = read_part_header, read_entries_bytes
 
     def reset(self) -> None:
         self.seconds, self.bytes = 0.0, 0
