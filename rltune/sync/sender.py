@@ -41,6 +41,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from rltune.errors import RltuneError
@@ -366,7 +367,7 @@ class DeltaPublisher:
                         "step's changes; a weight changed outside the optimizer step (in-place edit, "
                         "load_state_dict). Publish such a change as a full checkpoint: publisher.force_full()")
 
-    def _write_beside_live_check(self, path: Path, data: bytes, step: int) -> None:
+    def _write_beside_live_check(self, path: Path, data: list[bytes], step: int) -> None:
         """Write a delta's part file while the live check runs, then rename it into place; if the check
         refuses the publish, remove it first, so nothing names it. The write is mostly its fsync, which
         no core waits on, while the check's hash keeps both cores of a two-core host busy: there the
@@ -442,7 +443,7 @@ class DeltaPublisher:
         base_step = None if kind == "full" else self._last_step
         base_attempt = None if kind == "full" else self._last_attempt
         header = dict(run_id=self.run_id, attempt=attempt, step=step, rank=self.rank, world=self.world)
-        files: dict[str, bytes] = {}
+        files: dict[str, list[bytes | memoryview]] = {}
         written: set[str] = set()
         if kind != "full":
             name = fmt.part_file_name(self.rank, "delta")
@@ -452,7 +453,8 @@ class DeltaPublisher:
                 written.add(name)
             self._take_static(static_now)
         if kind != "delta":
-            for name, (c1, c2) in self._shares(self.first_names).items():
+            # an anchor's stepped tensors were just checked equal to their running sums: only the rest is summed
+            for name, (c1, c2) in self._shares(self.first_names if kind == "full" else self.static_names).items():
                 self._checksums[name], self._checksums2[name] = c1, c2
             for name in self.static_names:
                 self._static_copy[name] = self._bits(name).clone()
@@ -460,7 +462,7 @@ class DeltaPublisher:
         shares = {n: str(self._checksums[self.tied_to[n] or n]) for n in self.names}
         shares2 = {n: str(self._checksums2[self.tied_to[n] or n]) for n in self.names}
         summary = dict(rank=self.rank, attempt=attempt, checksums=shares, checksums2=shares2,
-                       files=[dict(rank=self.rank, file=f, bytes=len(d)) for f, d in files.items()])
+                       files=[dict(rank=self.rank, file=f, bytes=fmt.chunks_size(d)) for f, d in files.items()])
         store.write_rank_files(step_dir, self.rank, {f: d for f, d in files.items() if f not in written}, summary)
         self._pending.clear()
         self._stepped = self._overflow = False
@@ -496,7 +498,7 @@ class DeltaPublisher:
             store.prune_before(self.root, kept[0])
         self._anchors_at_last_publish = list(self._anchors)
 
-    def _delta_part(self, header: dict[str, Any]) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
+    def _delta_part(self, header: dict[str, Any]) -> tuple[list[bytes], list[tuple[str, torch.Tensor]]]:
         names, jobs = [], []
         static_now: list[tuple[str, torch.Tensor]] = []  # taken in only once every tensor passed its checks
         for name in self.first_names:
@@ -535,7 +537,7 @@ class DeltaPublisher:
             entries.append(dict(name=name, start=lo, stop=hi, offset=offset, length=len(blob),
                                 crc32=fmt.crc32(blob), changes=int(idx.shape[0])))
             offset += len(blob)
-        return fmt.encode_part(dict(header, entries=entries), b"".join(blobs)), static_now
+        return fmt.part_chunks(dict(header, entries=entries), blobs), static_now
 
     def _take_static(self, static_now: list[tuple[str, torch.Tensor]]) -> None:
         """The frozen tensors a delta carried changes of, taken in once the publish passed every check."""
@@ -554,15 +556,17 @@ class DeltaPublisher:
         return codec.encode_many([(idx.cpu().numpy(), diff.cpu().numpy(), bits, lo, hi)
                                   for idx, diff, bits, lo, hi in jobs], mode="plain" if plain else "auto")
 
-    def _anchor_part(self, header: dict[str, Any]) -> bytes:
+    def _anchor_part(self, header: dict[str, Any]) -> list[bytes | memoryview]:
+        """The anchor part as buffers to write: each tensor's little-endian wire bytes as they lie (no copy
+        where the host is little-endian), its CRC blocks taken from views of them."""
         entries, blobs, offset = [], [], 0
         for name in self.names:
             lo, hi = self.ranges[name]
             host = self._bits(name).cpu().numpy()
-            raw = host.astype(host.dtype.newbyteorder("<")).tobytes()
+            raw = memoryview(np.ascontiguousarray(host.astype(host.dtype.newbyteorder("<"), copy=False))).cast("B")
             block = fmt.ANCHOR_CRC_BLOCK
             crcs = [fmt.crc32(raw[j:j + block]) for j in range(0, len(raw), block)]
             entries.append(dict(name=name, start=lo, stop=hi, offset=offset, length=len(raw), crc_block=block, crc32s=crcs))
             blobs.append(raw)
             offset += len(raw)
-        return fmt.encode_part(dict(header, entries=entries), b"".join(blobs))
+        return fmt.part_chunks(dict(header, entries=entries), blobs)

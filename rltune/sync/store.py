@@ -108,7 +108,7 @@ def _rank_of(name: str) -> int | None:
     return None
 
 
-def write_rank_files(step_dir: Path, rank: int, files: dict[str, bytes], summary: dict[str, Any]) -> None:
+def write_rank_files(step_dir: Path, rank: int, files: dict[str, bytes | list[bytes | memoryview]], summary: dict[str, Any]) -> None:
     """Write one trainer rank's part files, then its summary (which says they are all there)."""
     step_dir.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
