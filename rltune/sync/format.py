@@ -370,24 +370,36 @@ def read_entry_bytes(path: Path, payload_start: int, entry: dict[str, Any]) -> b
     return bytes(read_entries_bytes(path, payload_start, [entry])[0])
 
 
+_ENTRY_READ_GAP = 1 << 20  # entries closer than this are read together, the bytes between them too
+
+
 def read_entries_bytes(path: Path, payload_start: int, entries: list[dict[str, Any]]) -> list[memoryview]:
-    """Bytes of several delta entries of one part, each CRC-checked, from one read of the span they cover
-    (a read per entry cost more than the reads themselves at ~100 entries a step)."""
-    if not entries:
+    """Bytes of several delta entries of one part (in the order given), each CRC-checked, read a span at a
+    time: entries less than 1 MiB apart in one read (a read per entry cost more than the reads themselves
+    at ~100 entries a step), so a worker that holds few of a part's entries reads little else."""
+    spans: list[tuple[int, int, list[int]]] = []  # (first byte, end, entries) of each read
+    for k in sorted(range(len(entries)), key=lambda k: entries[k]["offset"]):
+        e = entries[k]
+        if spans and e["offset"] - spans[-1][1] <= _ENTRY_READ_GAP:
+            lo, hi, members = spans[-1]
+            spans[-1] = (lo, max(hi, e["offset"] + e["length"]), [*members, k])
+        else:
+            spans.append((e["offset"], e["offset"] + e["length"], [k]))
+    out: list[memoryview | None] = [None] * len(entries)
+    if not spans:
         return []
-    lo = min(e["offset"] for e in entries)
-    hi = max(e["offset"] + e["length"] for e in entries)
     with _open_part(Path(path), "part file") as f:
-        f.seek(payload_start + lo)
-        view = memoryview(f.read(hi - lo))
-    out = []
-    for e in entries:
-        data = view[e["offset"] - lo:e["offset"] - lo + e["length"]]
-        if len(data) != e["length"]:
-            raise TruncatedFileError(f"{path}: entry {e['name']} ends past the end of the file")
-        if crc32(data) != e["crc32"]:
-            raise CorruptBytesError(f"{path}: entry {e['name']}: CRC-32 mismatch (damaged bytes)")
-        out.append(data)
+        for lo, hi, span in spans:
+            f.seek(payload_start + lo)
+            view = memoryview(f.read(hi - lo))
+            for k in span:
+                e = entries[k]
+                data = view[e["offset"] - lo:e["offset"] - lo + e["length"]]
+                if len(data) != e["length"]:
+                    raise TruncatedFileError(f"{path}: entry {e['name']} ends past the end of the file")
+                if crc32(data) != e["crc32"]:
+                    raise CorruptBytesError(f"{path}: entry {e['name']}: CRC-32 mismatch (damaged bytes)")
+                out[k] = data
     return out
 
 

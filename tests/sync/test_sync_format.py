@@ -169,7 +169,7 @@ def test_part_header_golden_prefix_and_round_trip(tmp_path):
     assert fmt.read_entry_bytes(path, start, header["entries"][0]) == b"abcd"
 
 
-def test_entries_read_together_are_each_crc_checked_and_named(tmp_path):
+def test_entries_read_together_are_each_crc_checked_and_named(tmp_path, monkeypatch):
     blobs = [b"abcd", b"", b"0123456789", b"xyz"]
     entries, offset = [], 0
     for k, blob in enumerate(blobs):
@@ -184,6 +184,11 @@ def test_entries_read_together_are_each_crc_checked_and_named(tmp_path):
     picked = [header["entries"][k] for k in (3, 0, 2)]
     assert [bytes(b) for b in fmt.read_entries_bytes(path, start, picked)] == [b"xyz", b"abcd", b"0123456789"]
     assert fmt.read_entries_bytes(path, start, []) == []
+    # entries more than the gap apart come from reads of their own, each in the order asked
+    monkeypatch.setattr(fmt, "_ENTRY_READ_GAP", 0)
+    assert [bytes(b) for b in fmt.read_entries_bytes(path, start, [header["entries"][3], header["entries"][0]])] \
+        == [b"xyz", b"abcd"]
+    monkeypatch.undo()
     assert fmt.read_entry_bytes(path, start, header["entries"][1]) == b""
     raw = bytearray(path.read_bytes())
     raw[start + 4 + 3] ^= 1  # a bit of t2's bytes
