@@ -14,9 +14,9 @@ at the last anchor/full checkpoint.
 ``publish(step)`` checks, from the live weights, that every tensor holds exactly what the step
 wrote (a weight changed outside the step raises) before any file of the step is named in the store
 (a delta's part is written beside the check, under its temporary name), then writes this rank's
-summary; rank 0 writes the manifest and the COMPLETE marker last and prunes old chains. A broadcast that follows
-no optimizer step publishes a full checkpoint. Every ``interval`` steps the step also carries an
-anchor (per-rank slices, no gather).
+summary; rank 0 writes the manifest and the COMPLETE marker last and prunes old chains. A broadcast
+that follows no optimizer step publishes a full checkpoint. Every ``interval`` steps the step also
+carries an anchor (per-rank slices, no gather).
 
 Example::
 
