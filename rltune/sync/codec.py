@@ -401,12 +401,7 @@ _PLAIN_CHECK_ERRORS = {1: "indices must be unique, ascending and inside [start, 
 def _plain_stream(idx: np.ndarray, diff: np.ndarray, bits: int, start: int, stop: int) -> bytes:
     """A plain stream, checked as :func:`_checked` checks and written in one compiled pass into the
     stream's own buffer (the numpy form, a pass per check and per cast, cost ~4 ns a change)."""
-    if bits not in (8, 16, 32):
-        raise ValueError(f"bits must be 8, 16 or 32, got {bits}")
-    idx = np.ascontiguousarray(idx, dtype=np.int64)
-    diff = np.ascontiguousarray(diff, dtype=np.int64)
-    if idx.shape != diff.shape or idx.ndim != 1 or idx.shape[0] == 0:
-        raise ValueError("encode needs equal-length, non-empty 1-D idx and diff")
+    idx, diff = _change_arrays(idx, diff, bits)
     n = idx.shape[0]
     index_dtype, value_dtype = np.dtype(_plain_index_dtype(start, stop)), np.dtype(f"<i{bits // 8}")
     out = np.empty(_STREAM.size + n * (index_dtype.itemsize + value_dtype.itemsize), dtype=np.uint8)
@@ -420,14 +415,20 @@ def _plain_stream(idx: np.ndarray, diff: np.ndarray, bits: int, start: int, stop
     return out.tobytes()
 
 
-def _checked(idx: np.ndarray, diff: np.ndarray, bits: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-    """One range's changes as contiguous int64 arrays, checked (ValueError) as every mode needs them."""
+def _change_arrays(idx: np.ndarray, diff: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Contiguous int64 positions and differences of one range, of a width a stream can code (ValueError)."""
     if bits not in (8, 16, 32):
         raise ValueError(f"bits must be 8, 16 or 32, got {bits}")
     idx = np.ascontiguousarray(idx, dtype=np.int64)
     diff = np.ascontiguousarray(diff, dtype=np.int64)
     if idx.shape != diff.shape or idx.ndim != 1 or idx.shape[0] == 0:
         raise ValueError("encode needs equal-length, non-empty 1-D idx and diff")
+    return idx, diff
+
+
+def _checked(idx: np.ndarray, diff: np.ndarray, bits: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+    """One range's changes as contiguous int64 arrays, checked (ValueError) as every mode needs them."""
+    idx, diff = _change_arrays(idx, diff, bits)
     if idx[0] < start or idx[-1] >= stop or (idx.shape[0] > 1 and np.any(np.diff(idx) <= 0)):
         raise ValueError("indices must be unique, ascending and inside [start, stop)")
     lim = 1 << (bits - 1)
