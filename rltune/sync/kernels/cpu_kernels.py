@@ -231,7 +231,8 @@ def _sums_narrow(seg, mask, r0, wa, wb):
 @numba.njit(cache=True, nogil=True)
 def _sums_f32_as_bf16(seg, r0, wa, wb):
     # float32 bits (int32) -> bfloat16 bits as torch casts on a CPU (round to nearest even; every NaN to
-    # 0xFFFF), then as _sums_narrow
+    # 0xFFFF), then as _sums_narrow (a loop of its own: one loop for both behind a constant flag ran the
+    # live check ~15 % slower)
     s_u, s_ru, s_a, s_b = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
     for r in range(seg.shape[0]):
         x = np.uint32(seg[r])
