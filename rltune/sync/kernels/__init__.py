@@ -179,19 +179,18 @@ def checksum_pairs(tensors: list[torch.Tensor], offsets: list[int], backend: str
     :func:`~rltune.sync.ops.wire_bits` does (None: each in its own dtype). CPU bits go through one
     compiled pass each, split over two threads (``cpu_kernels.checksum_pairs_cpu``); float32 tensors
     sent as bfloat16 are rounded inside that pass, with no cast copy of them."""
-    def needs_cast(t: torch.Tensor) -> bool:
-        return wire_dtype is not None and t.is_floating_point() and t.dtype != wire_dtype
+    def wire(t: torch.Tensor) -> torch.Tensor:
+        cast = wire_dtype is not None and t.is_floating_point() and t.dtype != wire_dtype
+        return _bits(t.detach().to(wire_dtype) if cast else t)
 
-    fused = [needs_cast(t) and t.dtype == torch.float32 and wire_dtype == torch.bfloat16 for t in tensors]
     on_cpu = all(t.device.type == "cpu" for t in tensors)
     cpu_kernels = _cpu_kernels() if on_cpu and not (tensors and _use_triton(tensors[0].device, backend)) else None
-    if cpu_kernels is not None:
-        sources = [t.detach().contiguous() if f else _bits(t.detach().to(wire_dtype) if needs_cast(t) else t)
-                   for t, f in zip(tensors, fused, strict=True)]
-        if all(f or b.dtype in _MASK_OF_BITS for b, f in zip(sources, fused, strict=True)):
-            return cpu_kernels.checksum_pairs_cpu([s.contiguous() for s in sources], list(offsets),
-                                                  bf16_of_f32=fused)
-    bits = [_bits(t.detach().to(wire_dtype) if needs_cast(t) else t) for t in tensors]
+    # float32 sent as bfloat16 is rounded inside the compiled pass: no cast copy is made of it
+    fused = [cpu_kernels is not None and wire_dtype == torch.bfloat16 and t.dtype == torch.float32 for t in tensors]
+    sources = [t.detach().contiguous() if f else wire(t) for t, f in zip(tensors, fused, strict=True)]
+    if cpu_kernels is not None and all(f or b.dtype in _MASK_OF_BITS for b, f in zip(sources, fused, strict=True)):
+        return cpu_kernels.checksum_pairs_cpu([s.contiguous() for s in sources], list(offsets), bf16_of_f32=fused)
+    bits = [wire(t) if f else b for t, b, f in zip(tensors, sources, fused, strict=True)]
     return [(checksum(b, o, backend), checksum2(b, o, backend)) for b, o in zip(bits, offsets, strict=True)]
 
 
