@@ -394,8 +394,9 @@ def _plain_pack(idx, diff, start, stop, lim, offsets_out, values_out):
     return 0
 
 
-_PLAIN_CHECK_ERRORS = {1: "indices must be unique, ascending and inside [start, stop)",
-                       2: "differences must be non-zero and inside [-2^{b}, 2^{b})"}
+_BAD_INDICES = "indices must be unique, ascending and inside [start, stop)"
+_BAD_DIFFERENCES = "differences must be non-zero and inside [-2^{b}, 2^{b})"
+_PLAIN_CHECK_ERRORS = {1: _BAD_INDICES, 2: _BAD_DIFFERENCES}
 
 
 def _plain_stream(idx: np.ndarray, diff: np.ndarray, bits: int, start: int, stop: int) -> bytes:
@@ -430,10 +431,10 @@ def _checked(idx: np.ndarray, diff: np.ndarray, bits: int, start: int, stop: int
     """One range's changes as contiguous int64 arrays, checked (ValueError) as every mode needs them."""
     idx, diff = _change_arrays(idx, diff, bits)
     if idx[0] < start or idx[-1] >= stop or (idx.shape[0] > 1 and np.any(np.diff(idx) <= 0)):
-        raise ValueError("indices must be unique, ascending and inside [start, stop)")
+        raise ValueError(_BAD_INDICES)
     lim = 1 << (bits - 1)
     if np.any(diff == 0) or diff.min() < -lim or diff.max() >= lim:
-        raise ValueError(f"differences must be non-zero and inside [-2^{bits - 1}, 2^{bits - 1})")
+        raise ValueError(_BAD_DIFFERENCES.format(b=bits - 1))
     return idx, diff
 
 
