@@ -43,7 +43,7 @@ def register(app: typer.Typer) -> None:
         from rltune.contracts.candidates import load_candidates
         from rltune.contracts.forecast import load_forecast
         from rltune.contracts.job import load_job
-        from rltune.contracts.stages import read_stages
+        from rltune.contracts.rundir import VERDICT_NAME, RunDir
         from rltune.errors import RltuneError
         from rltune.launch import new_run_id
         from rltune.predict.library import CaseLibrary
@@ -68,10 +68,10 @@ def register(app: typer.Typer) -> None:
             if pick_fc is None:
                 known = ", ".join(f.candidate for f in predicted.forecasts)
                 raise RltuneError(f"{forecast}: no candidate {candidate!r}; the file has {known}")
-        baseline_dir = Path(candidates.baseline_dir)
-        untuned_dir = Path(candidates.untuned_dir or candidates.baseline_dir)
-        untuned_rows = read_stages(untuned_dir / "stages.parquet").to_pylist()
-        baseline = Baseline(run_id=candidates.baseline_run, rows=read_stages(baseline_dir / "stages.parquet").to_pylist(),
+        baseline_dir = RunDir(candidates.baseline_dir)
+        untuned_dir = RunDir(candidates.untuned_dir or candidates.baseline_dir)
+        untuned_rows = untuned_dir.rows()
+        baseline = Baseline(run_id=candidates.baseline_run, rows=baseline_dir.rows(),
                             untuned_run=untuned_dir.name, untuned_rows=untuned_rows,
                             untuned_noise_pct=measured_noise(spec.limits, untuned_rows).measured_pct)
         run_id = new_run_id(f"{spec.name}-{pick_fc.candidate}")
@@ -79,7 +79,7 @@ def register(app: typer.Typer) -> None:
                             library=lib, run_root=runs_root, run_id=run_id, steps=steps, remeasure=not no_remeasure)
         verdict = outcome.verdict
         _show(verdict)
-        path = Path(runs_root) / run_id / "verdict.yaml"
+        path = Path(runs_root) / run_id / VERDICT_NAME
         if as_json:
             print(json.dumps({"verdict": str(path), "decision": verdict.decision, "step_s": verdict.step_s,
                               "median_s": verdict.median_s, "baseline_step_s": verdict.baseline_step_s,

@@ -30,7 +30,15 @@ from rltune.launch.base import (
     reset_stop,
 )
 from rltune.launch.dialects import DIALECTS, OverrideError, render_overrides
-from rltune.launch.job import UnmappedKnobError, build_argv, resolved_job, resume_job, run_job
+from rltune.launch.job import (
+    LaunchInputError,
+    UnmappedKnobError,
+    build_argv,
+    check_launch,
+    resolved_job,
+    resume_job,
+    run_job,
+)
 from rltune.launch.launchers import LAUNCHERS, launcher_argv, make_launcher, reattach
 from rltune.launch.rundir import new_run_dir, new_run_id
 
@@ -45,7 +53,9 @@ __all__ = [
     "OverrideError",
     "Stopped",
     "Submission",
+    "LaunchInputError",
     "UnmappedKnobError",
+    "check_launch",
     "build_argv",
     "launcher_argv",
     "live_handles",

@@ -39,11 +39,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from rltune.contracts.rundir import LAUNCH_NAME
 from rltune.errors import LaunchError
 from rltune.launch.process import tail
 
 IDENTITY_VERSION = 1
-RESULT_NAME = "launch.json"
+RESULT_NAME = LAUNCH_NAME  # launch.json, named by the run-dir contract
 
 # Job states, the same words for every launcher (the scheduler's own word goes in JobState.detail).
 PENDING, RUNNING = "pending", "running"

@@ -25,17 +25,24 @@ from pathlib import Path
 from typing import Any
 
 from rltune.contracts.job import JobSpec, KnobValue, save_job
-from rltune.errors import LaunchError
+from rltune.contracts.rundir import JOB_NAME, LOG_NAME
+from rltune.errors import RltuneError
 from rltune.launch.base import RESULT_NAME as RESULT_NAME  # its old home; launch.json is written by base
 from rltune.launch.base import LaunchResult, Submission, result_record, write_record
 from rltune.launch.dialects import render_overrides
 from rltune.launch.launchers import launcher_argv, make_launcher
 
-LOG_NAME = "launch.log"
-JOB_NAME = "job.yaml"
+# Steps a run may be asked for: a count past this is a typo, not a job.
+MAX_STEPS = 1_000_000
 
 
-class UnmappedKnobError(LaunchError):
+class LaunchInputError(RltuneError):
+    """The job cannot be started as given (bad input): refused before anything runs or is recorded."""
+
+    exit_code = 2
+
+
+class UnmappedKnobError(LaunchInputError):
     """An override names an abstract knob the job's launch.knob_map does not translate."""
 
 
@@ -52,6 +59,37 @@ def run_knobs(job: JobSpec, overrides: Mapping[str, KnobValue] | None = None) ->
 def run_steps(job: JobSpec, steps: int | None = None) -> int:
     """The step count of a run: ``steps`` if given, else the job's ``limits.steps``."""
     return int(steps if steps is not None else job.limits.steps)
+
+
+def check_steps(steps: int | None, flag: str = "--steps") -> None:
+    """Refuse a step count no run can have (bad input, exit 2)."""
+    if steps is None:
+        return
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+        raise LaunchInputError(f"{flag} {steps}: expected a whole number of steps from 1 to {MAX_STEPS:,}")
+
+
+def check_launch(job: JobSpec, job_path: Path, overrides: Mapping[str, KnobValue] | None = None,
+                 steps: int | None = None) -> None:
+    """Refuse, before anything runs or is recorded, a job that cannot start as given: a step count out of
+    range, an override its knob_map cannot pass, a working directory or a program that does not exist.
+
+    A job refused here is the user's input to fix (exit 2), never a run that failed.
+    """
+    check_steps(steps)
+    argv = build_argv(job, job_path, Path(job_path).resolve().parent / "run", overrides, steps)
+    workdir = workdir_of(job, job_path)
+    if not workdir.is_dir():
+        raise LaunchInputError(f"{job_path}: launch.workdir: {workdir} is not a directory; it is relative to the job file")
+    env = _child_env(job)
+    if os.sep not in argv[0] and shutil.which(argv[0], path=env["PATH"]) is None:
+        raise LaunchInputError(f"{job_path}: launch.command[0]: {argv[0]!r} is not on PATH; give a full path or "
+                               f"install it")
+    if os.sep in argv[0] and "{" not in job.launch.command[0] and job.launch.launcher in ("local", "torchrun"):
+        program = Path(argv[0]) if Path(argv[0]).is_absolute() else workdir / argv[0]
+        if not program.is_file():
+            raise LaunchInputError(f"{job_path}: launch.command[0]: {argv[0]!r} does not exist (looked for {program}); "
+                                   f"give the program's path")
 
 
 def resolve_overrides(job: JobSpec, job_path: Path, overrides: Mapping[str, KnobValue] | None,
@@ -120,22 +158,19 @@ def _child_env(job: JobSpec) -> dict[str, str]:
 def run_job(job: JobSpec, job_path: Path, run_dir: Path, overrides: dict[str, KnobValue] | None = None,
             steps: int | None = None, on_output: Callable[[str], None] | None = None,
             on_submit: Callable[[dict[str, Any]], None] | None = None) -> LaunchResult:
-    """Run ``job`` once in ``run_dir``; see the module docstring. Raises LaunchError only if it cannot start.
+    """Run ``job`` once in ``run_dir``; see the module docstring. Raises LaunchInputError if it cannot start as given.
 
     ``on_submit(identity)`` is called once the job is submitted, before it is waited for, with its
     JSON identity (:class:`~rltune.launch.base.JobIdentity`): journal it, and after a crash
     :func:`rltune.launch.reattach` finds the job again.
     """
     job_path = Path(job_path)
+    check_launch(job, job_path, overrides, steps)
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = build_argv(job, job_path, run_dir, overrides, steps)
     env = _child_env(job)
     workdir = workdir_of(job, job_path)
-    if not workdir.is_dir():
-        raise LaunchError(f"{job_path}: launch.workdir: {workdir} is not a directory; it is relative to the job file")
-    if os.sep not in argv[0] and shutil.which(argv[0], path=env["PATH"]) is None:
-        raise LaunchError(f"{job_path}: launch.command[0]: {argv[0]!r} is not on PATH; give a full path or install it")
     save_job(resolved_job(job, job_path, overrides, steps), run_dir / JOB_NAME)
     log_path = run_dir / LOG_NAME
     handle = make_launcher(job.launch, str(job_path)).submit(Submission(

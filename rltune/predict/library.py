@@ -337,25 +337,17 @@ def record_baseline(library: CaseLibrary, candidates: Any, job: JobSpec) -> bool
     directory's resolved job.yaml gives the knobs it ran with; its stage table's warm-up column
     the steps. Returns True if a case was written.
     """
-    from rltune.contracts.job import load_job
-    from rltune.contracts.stages import read_stages
+    from rltune.contracts.rundir import RunDir
 
     if not candidates.baseline_dir or library.has(candidates.baseline_run):
         return False
-    run_dir = Path(candidates.baseline_dir)
-    stages = run_dir / "stages.parquet"
-    if not stages.exists():
-        raise CaseDataError(f"{run_dir}: baseline_dir holds no stages.parquet; profile the baseline into it again")
-    knobs = load_job(run_dir / "job.yaml").knobs if (run_dir / "job.yaml").exists() else dict(candidates.baseline_knobs)
-    finished = stages.stat().st_mtime
-    started = finished
-    launch = run_dir / "launch.json"
-    if launch.exists():
-        import json
-
-        started = finished - float(json.loads(launch.read_text(encoding="utf-8")).get("wall_s") or 0.0)
-    table = read_stages(stages)
-    library.append(case_from_run(job, knobs, table, candidates.baseline_run, started, finished, "ok", None, 0))
+    run = RunDir(candidates.baseline_dir)
+    if not run.has_stages():
+        raise CaseDataError(f"{run.path}: baseline_dir holds no stages.parquet; profile the baseline into it again")
+    knobs = run.job().knobs if run.job_path.exists() else dict(candidates.baseline_knobs)
+    finished = run.stages_path.stat().st_mtime
+    started = finished - run.wall_s()
+    library.append(case_from_run(job, knobs, run.table(), candidates.baseline_run, started, finished, "ok", None, 0))
     return True
 
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from rltune.contracts.diagnosis import Diagnosis, save_diagnosis
 from rltune.contracts.job import JobSpec, KnobValue, load_job
+from rltune.contracts.rundir import DIAGNOSIS_NAME, PARSE_REPORT_NAME, STAGES_NAME
 from rltune.contracts.stages import rows_to_table, source_of, write_stages
 from rltune.errors import LaunchError, LogFormatError, RltuneError
 from rltune.launch import LaunchResult, resolved_job, run_job
@@ -48,9 +49,6 @@ from rltune.profile.table import stage_table_from_logs
 if TYPE_CHECKING:
     import pyarrow as pa
 
-STAGES_NAME = "stages.parquet"
-DIAGNOSIS_NAME = "diagnosis.yaml"
-PARSE_REPORT_NAME = "parse_report.json"
 LOG_TAIL_LINES = 30
 STAGE_COLUMNS = ("rollout", "training", "weight_sync", "old_logprob")
 
@@ -106,6 +104,22 @@ class RecordedRun:
             if value is not None:
                 out[name] = value
         return out
+
+    @classmethod
+    def from_dir(cls, run_dir: str | Path, run_id: str | None = None,
+                 knobs: dict[str, KnobValue] | None = None) -> RecordedRun:
+        """A finished run read back from its directory (the run-dir contract): its stage table and, where
+        it was written, its diagnosis; knobs from its resolved job.yaml unless given."""
+        from rltune.contracts.rundir import RunDir
+
+        where = RunDir(run_dir)
+        table = where.table()
+        if knobs is None:
+            knobs = dict(where.job().knobs) if where.job_path.exists() else {}
+        rows = table.to_pylist()
+        return cls(run_id=run_id or where.name, run_dir=where.path, knobs=dict(knobs), table=table,
+                   warmup_steps=sum(1 for r in rows if r.get("warmup")),
+                   diagnosis=where.diagnosis() if where.diagnosis_path.exists() else None)
 
     def _fail(self, status: str, cause: str, error: str) -> None:
         self.status, self.cause, self.error = status, cause, error

@@ -202,8 +202,17 @@ def run_trial(job: JobSpec, job_path: str | Path, candidate: CandidateForecast, 
     gets each run's launcher identity; ``resume`` (run id -> identity) records runs an earlier
     process submitted instead of starting them again.
     """
+    from rltune.launch.job import LaunchInputError, check_launch, check_steps
+
     knobs = {**baseline_knobs, **candidate.overrides}
+    check_steps(steps)
     steps = trial_steps(job, knobs, steps)
+    if steps <= job.limits.warmup_steps:
+        raise LaunchInputError(f"--steps {steps}: a trial is timed on the steps after limits.warmup_steps "
+                               f"({job.limits.warmup_steps}); give at least {job.limits.warmup_steps + 1}")
+    # Input the user must fix (a program not on PATH, an override the knob_map cannot pass) is refused
+    # here, before a run directory or a case exists: only a job that started and then failed is recorded.
+    check_launch(job, Path(job_path), knobs, steps)
     run_root = Path(run_root)
     runs: list[RecordedRun] = []
     for attempt, rid in enumerate((run_id, f"{run_id}-again")):

@@ -9,7 +9,6 @@ import time
 import pytest
 
 from rltune.contracts.job import load_job
-from rltune.errors import LaunchError
 from rltune.launch import UnmappedKnobError, build_argv, process, run_job
 
 from .jobfile import write_job
@@ -134,10 +133,23 @@ def test_a_job_that_exits_leaving_a_background_child_leaves_no_orphan(tmp_path):
     assert not _alive(child)
 
 
-def test_a_missing_program_is_a_launch_error_naming_it(tmp_path):
+def test_a_missing_program_is_bad_input_refused_before_the_run_dir_exists(tmp_path):
+    from rltune.launch import LaunchInputError
+
     path = write_job(tmp_path, ECHO_ARGS, launch={"command": ["no-such-program-xyz", "{run_dir}"]})
-    with pytest.raises(LaunchError, match="no-such-program-xyz"):
+    with pytest.raises(LaunchInputError, match="launch.command\\[0\\]: 'no-such-program-xyz' is not on PATH") as caught:
         run_job(load_job(path), path, tmp_path / "run")
+    assert caught.value.exit_code == 2 and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("steps", [0, -1, 10**23])
+def test_a_step_count_no_run_can_have_is_refused_before_launch(tmp_path, steps):
+    from rltune.launch import LaunchInputError
+
+    path = write_job(tmp_path, ECHO_ARGS)
+    with pytest.raises(LaunchInputError, match="--steps"):
+        run_job(load_job(path), path, tmp_path / "run", steps=steps)
+    assert not (tmp_path / "run").exists()
 
 
 def test_torchrun_starts_one_process_per_rank(tmp_path):
