@@ -71,13 +71,14 @@ def register(app: typer.Typer) -> None:
         else:
             typer.echo(f"report: {result.report}")
         if plan is not None:
+            from rltune.tune.journal import replay
             from rltune.tune.reward_check import exit_code_of, last_reward_check
 
-            checked = last_reward_check(loop.journal.events())
-            view.console.print(f"reward check: {checked['decision']} - {checked['reason']}" if checked else
+            checked = last_reward_check(replay(loop.journal.events()))
+            view.console.print(f"reward check: {checked.decision} - {checked.reason}" if checked else
                                "reward check: not run (no change was kept)", markup=False, highlight=False)
-            if checked and exit_code_of(checked["decision"]):
-                raise typer.Exit(exit_code_of(checked["decision"]))
+            if checked and exit_code_of(checked.decision):
+                raise typer.Exit(exit_code_of(checked.decision))
 
 
 class _LiveView:

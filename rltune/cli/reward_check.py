@@ -60,12 +60,12 @@ def register(app: typer.Typer) -> None:
         tuned_job = load_job(tuned)
         changes = None
         if journal is not None:
-            from rltune.tune.journal import Journal
+            from rltune.tune.journal import read_state
 
             if not journal.is_file():
                 raise RewardCheckInputError(f"{journal}: no such file; give the journal.jsonl of an 'rltune auto' "
                                             f"--workdir, or leave --journal out to undo one knob at a time")
-            changes = kept_changes(Journal(journal).events(), plan.job.knobs, tuned_job.knobs)
+            changes = kept_changes(read_state(journal), plan.job.knobs, tuned_job.knobs)
         if out is None:
             from rltune.launch import new_run_id
 

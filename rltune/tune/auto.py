@@ -36,6 +36,7 @@ Work directory layout::
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,17 +44,30 @@ from pathlib import Path
 from typing import Any
 
 from rltune.contracts.job import JobSpec, KnobValue, load_job
+from rltune.contracts.journal import (
+    JOURNAL_SCHEMA_VERSION,
+    BaselineEvent,
+    RunStartEvent,
+    event_as_data,
+)
+from rltune.contracts.rundir import RunDir
 from rltune.errors import RltuneError
-from rltune.launch.job import metrics_path_of, run_steps
-from rltune.tune.journal import Journal, JournalError
+from rltune.launch.job import check_launch, check_steps, metrics_path_of, run_steps
+from rltune.tune.journal import Journal, JournalError, JournalState, make_event, replay
 from rltune.tune.pick import failed_settings, holds_a_failed_set, limit_breaking_settings, pick
 from rltune.tune.trial import Baseline, measure_run, record_case, run_trial
 
-Event = dict[str, Any]
+Event = Any  # one of rltune.contracts.journal's event types
 
 
 class AutoError(RltuneError):
-    """The loop cannot go on (e.g. the untuned baseline itself fails)."""
+    """The loop cannot go on as asked (bad options)."""
+
+
+class BaselineFailedError(AutoError):
+    """The untuned job itself crashed, hung or measured nothing: the job's failure (exit 4), not bad input."""
+
+    exit_code = 4
 
 
 @dataclass
@@ -84,12 +98,9 @@ class _Baseline:
 
 def _load_run(run_dirs: list[Path], run_id: str, knobs: dict[str, KnobValue], step_s: float) -> _Baseline:
     """A finished run as a baseline, read back from its directories (stage tables and diagnosis)."""
-    from rltune.contracts.diagnosis import load_diagnosis
-    from rltune.contracts.stages import read_stages
-
-    rows = [r for d in run_dirs for r in read_stages(Path(d) / "stages.parquet").to_pylist()]
-    diagnosis = load_diagnosis(Path(run_dirs[0]) / "diagnosis.yaml")
-    return _Baseline(run_id, [Path(d) for d in run_dirs], dict(knobs), step_s, rows, diagnosis)
+    dirs = [RunDir(d) for d in run_dirs]
+    rows = [r for d in dirs for r in d.rows()]
+    return _Baseline(run_id, [d.path for d in dirs], dict(knobs), step_s, rows, dirs[0].diagnosis())
 
 
 class AutoLoop:
@@ -113,6 +124,7 @@ class AutoLoop:
         self.allow_needs = allow_needs
         if parallel < 1:
             raise AutoError(f"--parallel {parallel}: run at least one trial at a time")
+        check_steps(steps)
         self.parallel = parallel
         self._lock = threading.Lock()
         self.on_event = on_event or (lambda event: None)
@@ -124,9 +136,12 @@ class AutoLoop:
     # -- journal --------------------------------------------------------------------------------
     def _emit(self, kind: str, **fields: Any) -> Event:
         with self._lock:  # trials run in parallel journal their submissions from their own threads
-            event = self.journal.append(kind, **fields)
-            self.on_event(event)
+            event = self.journal.append(make_event(kind, time.time(), **fields))
+            self.on_event(event_as_data(event))
         return event
+
+    def _state(self) -> JournalState:
+        return replay(self.journal.events())
 
     def _note(self, kind: str, **fields: Any) -> None:
         """A live-view event that is not journalled (nothing is decided by it)."""
@@ -149,60 +164,97 @@ class AutoLoop:
         inside = self.workdir / path
         return inside if inside.exists() or not path.exists() else path.resolve()
 
-    def _new_run_id(self, stem: str, events: list[Event]) -> str:
-        """``stem``, or ``stem-x<N>`` when earlier attempts under that stem never finished."""
-        used = {e["run_id"] for e in events if e["event"] == "run_start"}
-        if stem not in used:
+    def _new_run_id(self, stem: str, state: JournalState) -> str:
+        """``stem``, or ``stem-x<N>`` when that id is taken: by an earlier attempt that never finished, by a
+        case another work dir recorded in a shared library, or by a run directory left on disk."""
+        used = state.run_ids()
+
+        def taken(run_id: str) -> bool:
+            return (run_id in used or self._library_has(run_id)
+                    or (self.workdir / "runs" / run_id).exists() or (self.workdir / "runs" / f"{run_id}-again").exists())
+
+        if not taken(stem):
             return stem
         n = 2
-        while f"{stem}-x{n}" in used:
+        while taken(f"{stem}-x{n}"):
             n += 1
         return f"{stem}-x{n}"
+
+    def _library_has(self, run_id: str) -> bool:
+        from rltune.predict.library import CaseLibrary
+
+        return CaseLibrary(self.library_path).has(run_id) or CaseLibrary(self.library_path).has(f"{run_id}-again")
 
     def _start_run(self, run_id: str, role: str, round_no: int, knobs: dict, **fields: Any) -> Event:
         from rltune.tune.trial import trial_steps
 
         run_dir = self.workdir / "runs" / run_id
+        if run_dir.exists() and any(run_dir.iterdir()):
+            raise JournalError(f"{run_dir}: a run directory the journal does not know; it would be overwritten. "
+                               f"Restore {self.journal.path}, or use a fresh --workdir")
         steps = trial_steps(self.job, knobs, self.steps) if role == "trial" else self.steps
         return self._emit("run_start", run_id=run_id, run_dir=self._rel(run_dir), role=role, round=round_no,
                           knobs=knobs, steps=steps, metrics_path=self._rel(metrics_path_of(self.job, self.job_path, run_dir)),
                           **fields)
 
     # -- the loop -------------------------------------------------------------------------------
+    def _check_workdir(self, state: JournalState) -> None:
+        """Refuse a work dir whose journal does not account for what is on disk, before anything runs.
+
+        A journal that is missing or empty beside runs or rounds means the record of them was lost:
+        starting over would launch the untuned runs again into their directories.
+        """
+        if self.workdir.exists() and not self.workdir.is_dir():
+            raise AutoError(f"--workdir {self.workdir}: is a file, not a directory; give a directory")
+        if state.events and state.start is None:
+            raise JournalError(f"{self.journal.path}: line 1: the first event is {state.events[0].event!r}, not "
+                               f"'start'; the journal was cut at its head? restore it, or use a fresh --workdir")
+        if state.start is None:
+            left = [d for d in ("runs", "rounds") if (self.workdir / d).is_dir() and any((self.workdir / d).iterdir())]
+            if left:
+                raise JournalError(f"{self.journal.path}: {'empty' if self.journal.path.exists() else 'missing'}, but "
+                                   f"{self.workdir} holds {' and '.join(d + '/' for d in left)} of an earlier run; "
+                                   f"restore the journal to resume it, or use a fresh --workdir")
+            return
+        if state.start.job_name != self.job.name:
+            raise JournalError(f"{self.journal.path}: belongs to job {state.start.job_name!r}, not {self.job.name!r}; "
+                               f"use another --workdir")
+        if state.start.schema_version > JOURNAL_SCHEMA_VERSION:
+            raise JournalError(f"{self.journal.path}: line 1: schema_version: written by a newer rltune (version "
+                               f"{state.start.schema_version}; this one reads up to {JOURNAL_SCHEMA_VERSION}); upgrade rltune")
+
     def run(self) -> AutoResult:
         from rltune.predict.library import CaseLibrary
         from rltune.tune.knowledge import load_default_knowledge
         from rltune.workload.jobcheck import check_workload_job
 
+        state = self._state()
+        self._check_workdir(state)
+        if state.finish is not None:
+            return self._result_from(state.finish)
         # the job as written must start: a reference-workload job the workload (or vLLM) refuses is one line
         # here, not a crashed baseline (a candidate vLLM refuses later is a failed trial, and the loop goes on)
         check_workload_job(self.job, self.job_path, None, self.steps)
+        check_launch(self.job, self.job_path, None, self.steps)
         knowledge = load_default_knowledge(self.knowledge_path)
         library = CaseLibrary(self.library_path)
-        events = self.journal.events()
-        start = next((e for e in events if e["event"] == "start"), None)
-        if start is None:
+        library.load()  # a library that cannot be read is refused here, before anything runs
+        if state.start is None:
             self._emit("start", job=str(self.job_path), job_name=self.job.name, gpus=self.job.gpus.count,
                        device=self.job.gpus.device, rl_mode=self.job.rl_mode, rounds=self.rounds,
                        trial_budget=self.trial_budget, steps=self.steps, baseline_runs=self.job.limits.baseline_runs,
-                       library=self._rel(self.library_path))
-        elif start.get("job_name") != self.job.name:
-            raise JournalError(f"{self.journal.path}: belongs to job {start.get('job_name')!r}, not {self.job.name!r}; "
-                               f"use another --workdir")
+                       library=self._rel(self.library_path), schema_version=JOURNAL_SCHEMA_VERSION)
         else:
-            self._note("resume", events=len(events))
-        finish = next((e for e in reversed(events) if e["event"] == "finish"), None)
-        if finish is not None:
-            return self._result_from(finish, events)
+            self._note("resume", events=len(state.events))
 
         self._settle_unfinished(library)
         untuned, untuned_noise = self._untuned(library)
         self._resume_trials(library, untuned, untuned_noise)
-        events = self.journal.events()
-        baseline = self._current_baseline(untuned, events)
-        trials = [e for e in events if e["event"] == "trial"]
-        tried = [dict(untuned.knobs)] + [e["knobs"] for e in trials]
-        round_no = 1 + sum(1 for e in events if e["event"] == "round_end")
+        state = self._state()
+        baseline = self._current_baseline(untuned, state)
+        trials = list(state.trials)
+        tried = [dict(untuned.knobs)] + [t.knobs for t in trials]
+        round_no = 1 + len(state.round_ends)
         reason = ""
         while True:
             if round_no > self.rounds:
@@ -216,7 +268,7 @@ class AutoLoop:
             trials += round_trials
             if outcome in ("no_candidates", "none_worth"):
                 gate = self.job.limits.min_forecast_gain_pct
-                banned = self.journal.events()[-1].get("banned") or []
+                banned = self._state().round_ends[-1].banned or []
                 reason = ("no applicable fix for what limits the step" if outcome == "no_candidates"
                           else f"no candidate is worth a trial: none is forecast {gate:g}% faster, and none whose "
                                f"range reaches {gate:g}% relieves the limiting stage"
@@ -226,17 +278,6 @@ class AutoLoop:
             round_no += 1
         return self._finish(reason, untuned, baseline)
 
-    def _unfinished(self, events: list[Event]) -> list[Event]:
-        """run_start events with no outcome in the journal yet."""
-        done = {e["run_id"] for e in events if e["event"] in ("baseline_run", "trial", "run_abandoned")}
-        done |= {rid for e in events if e["event"] == "baseline" for rid in e.get("run_ids", [e.get("run_id")])}
-        return [e for e in events if e["event"] == "run_start" and e["run_id"] not in done]
-
-    @staticmethod
-    def _identities(events: list[Event]) -> dict[str, dict]:
-        """Run id -> the launcher identity journalled when the run was submitted."""
-        return {e["run_id"]: e["identity"] for e in events if e["event"] == "run_submitted"}
-
     def _settle_unfinished(self, library: Any) -> None:
         """Runs started but not journalled as done, after a crash or ``kill -9`` of rltune.
 
@@ -245,23 +286,21 @@ class AutoLoop:
         untuned baseline reattach to it). A local run died with rltune's session or is an orphan:
         what is left of it is cancelled and it is run again under a new id.
         """
-        events = self.journal.events()
-        identities = self._identities(events)
-        for start in self._unfinished(events):
-            run_id = start["run_id"]
-            if library.has(run_id) and start["role"] == "trial":
-                from rltune.contracts.verdict import load_verdict
-
-                verdict = load_verdict(self._abs(start["run_dir"]) / "verdict.yaml")
+        state = self._state()
+        identities = state.identities
+        for start in state.unfinished():
+            run_id = start.run_id
+            if library.has(run_id) and start.role == "trial":
+                verdict = RunDir(self._abs(start.run_dir)).verdict()
                 self._emit("trial", **self._trial_fields(start, verdict))
-            elif library.has(run_id) and start["role"] == "baseline":
-                run = _load_run([self._abs(start["run_dir"])], run_id, start["knobs"], 0.0)
+            elif library.has(run_id) and start.role == "baseline":
+                run = _load_run([self._abs(start.run_dir)], run_id, start.knobs, 0.0)
                 from rltune.profile.stats import mean_over
 
-                self._emit("baseline_run", run_id=run_id, run_dir=start["run_dir"], step_s=mean_over(run.rows, "step_s"))
-            elif run_id in identities and identities[run_id]["launcher"] in REATTACHABLE:
-                self._note("reattach", run_id=run_id, job_id=identities[run_id]["job_id"],
-                           launcher=identities[run_id]["launcher"])
+                self._emit("baseline_run", run_id=run_id, run_dir=start.run_dir, step_s=mean_over(run.rows, "step_s"))
+            elif run_id in identities and identities[run_id].get("launcher") in REATTACHABLE:
+                self._note("reattach", run_id=run_id, job_id=identities[run_id].get("job_id"),
+                           launcher=identities[run_id].get("launcher"))
             else:
                 for rid in (run_id, f"{run_id}-again"):
                     if rid in identities:
@@ -271,30 +310,30 @@ class AutoLoop:
 
     def _close_rounds(self) -> None:
         """A round whose trials all finished with a keep but that has no round_end: end it with the fastest."""
-        events = self.journal.events()
-        ended = {e["round"] for e in events if e["event"] == "round_end"}
-        pending = {e["round"] for e in self._unfinished(events) if e["role"] == "trial"}
-        for round_no in sorted({e["round"] for e in events if e["event"] == "trial"} - ended - pending):
-            kept = [e for e in events if e["event"] == "trial" and e["round"] == round_no and e["decision"] == "keep"]
+        state = self._state()
+        ended = {e.round for e in state.round_ends}
+        pending = {e.round for e in state.unfinished() if e.role == "trial"}
+        for round_no in sorted({t.round for t in state.trials} - ended - pending):
+            kept = [t for t in state.trials_in(round_no) if t.decision == "keep"]
             if kept:
-                best = min(kept, key=lambda e: e["step_s"])
-                self._emit("round_end", round=round_no, outcome="kept", baseline_run=best["run_id"])
+                best = min(kept, key=lambda t: t.step_s)
+                self._emit("round_end", round=round_no, outcome="kept", baseline_run=best.run_id)
 
     def _resume_trials(self, library: Any, untuned: _Baseline, untuned_noise: float | None) -> None:
         """Follow again the trials an earlier process left running on a scheduler, and journal them."""
         from rltune.contracts.forecast import CandidateForecast
         from rltune.contracts.schema import from_data
 
-        events = self.journal.events()
-        identities = self._identities(events)
-        starts = [e for e in self._unfinished(events) if e["role"] == "trial" and e["run_id"] in identities]
+        state = self._state()
+        identities = state.identities
+        starts = [e for e in state.unfinished() if e.role == "trial" and e.run_id in identities]
         if not starts:
             return
-        baseline = self._current_baseline(untuned, events)
+        baseline = self._current_baseline(untuned, state)
 
-        def finish(start: Event) -> None:
-            forecast = from_data(CandidateForecast, start["forecast"], self.journal.path, "run_start.forecast")
-            resume = {rid: identities[rid] for rid in (start["run_id"], f"{start['run_id']}-again") if rid in identities}
+        def finish(start: RunStartEvent) -> None:
+            forecast = from_data(CandidateForecast, start.forecast, self.journal.path, "run_start.forecast")
+            resume = {rid: identities[rid] for rid in (start.run_id, f"{start.run_id}-again") if rid in identities}
             outcome = self._run_trial(start, forecast, baseline, untuned, untuned_noise, library, resume)
             self._emit("trial", **self._trial_fields(start, outcome.verdict))
 
@@ -307,66 +346,66 @@ class AutoLoop:
         """The untuned baseline (its ``limits.baseline_runs`` runs pooled) and its measured noise in %."""
         from rltune.tune.limits import measured_noise
 
-        events = self.journal.events()
-        recorded = next((e for e in events if e["event"] == "baseline" and e["round"] == 0), None)
+        state = self._state()
+        recorded = state.untuned
         if recorded is None:
             knobs = dict(self.job.knobs)
-            finished = [e for e in events if e["event"] == "baseline_run"]
-            identities = self._identities(events)
-            waiting = [e for e in self._unfinished(events) if e["role"] == "baseline" and e["run_id"] in identities]
+            finished = list(state.baseline_runs)
+            identities = state.identities
+            waiting = [e for e in state.unfinished() if e.role == "baseline" and e.run_id in identities]
             for repeat in range(len(finished), self.job.limits.baseline_runs):
                 if waiting:  # submitted by a process that died; its job lives on on the scheduler
-                    start, resume = waiting[0], identities[waiting.pop(0)["run_id"]]
-                    run_id = start["run_id"]
+                    start = waiting.pop(0)
+                    run_id, resume = start.run_id, identities[start.run_id]
                 else:
                     run_id = self._new_run_id("r0-untuned" if repeat == 0 else f"r0-untuned-{repeat + 1}",
-                                              self.journal.events())
+                                              self._state())
                     start, resume = self._start_run(run_id, "baseline", 0, knobs, repeat=repeat + 1,
                                                     of=self.job.limits.baseline_runs), None
-                run = measure_run(self.job, self.job_path, self._abs(start["run_dir"]), run_id, knobs, self.steps,
+                run = measure_run(self.job, self.job_path, self._abs(start.run_dir), run_id, knobs, self.steps,
                                   self.on_output, on_submit=self._journal_submission(run_id), resume=resume)
                 record_case(library, self.job, run, None)
                 if not run.ok:
                     self._emit("run_abandoned", run_id=run_id, reason=f"untuned baseline {run.status}: {run.error}")
-                    raise AutoError(f"the untuned baseline {run.status.replace('_', ' ')} ({run.error}); fix the job "
-                                    f"first. Log tail:\n{run.log_tail}")
-                finished.append(self._emit("baseline_run", run_id=run_id, run_dir=start["run_dir"], step_s=run.step_s()))
-            run_dirs = [self._abs(e["run_dir"]) for e in finished]
-            probe = _load_run(run_dirs, finished[0]["run_id"], knobs, 0.0)
+                    raise BaselineFailedError(f"the untuned baseline {run.status.replace('_', ' ')} ({run.error}); fix "
+                                              f"the job first. Log tail:\n{run.log_tail}")
+                finished.append(self._emit("baseline_run", run_id=run_id, run_dir=start.run_dir, step_s=run.step_s()))
+            run_dirs = [self._abs(e.run_dir) for e in finished]
+            probe = _load_run(run_dirs, finished[0].run_id, knobs, 0.0)
             noise = measured_noise(self.job.limits, probe.rows)
-            recorded = self._emit_baseline(0, [e["run_id"] for e in finished], run_dirs, knobs, probe.rows,
+            recorded = self._emit_baseline(0, [e.run_id for e in finished], run_dirs, knobs, probe.rows,
                                            probe.diagnosis, noise_pct=noise.measured_pct, noise=noise.detail)
-        run_dirs = [self._abs(d) for d in recorded.get("run_dirs", [recorded["run_dir"]])]
-        return _load_run(run_dirs, recorded["run_id"], recorded["knobs"], recorded["step_s"]), recorded.get("noise_pct")
+        run_dirs = [self._abs(d) for d in recorded.all_run_dirs]
+        return _load_run(run_dirs, recorded.run_id, recorded.knobs, recorded.step_s), recorded.noise_pct
 
     def _emit_baseline(self, round_no: int, run_ids: list[str], run_dirs: list[Path], knobs: dict, rows: list[dict],
-                       diagnosis: Any, **fields: Any) -> Event:
+                       diagnosis: Any, **fields: Any) -> BaselineEvent:
+        from rltune.profile.run import STAGE_COLUMNS
         from rltune.profile.stats import mean_over, median_over
 
-        stages = {name: value for name in ("rollout", "training", "weight_sync", "old_logprob")
-                  for value in [mean_over(rows, f"{name}_s")] if value is not None}
+        stages = {name: value for name in STAGE_COLUMNS for value in [mean_over(rows, f"{name}_s")] if value is not None}
         return self._emit("baseline", round=round_no, run_id=run_ids[0], run_ids=run_ids, run_dir=self._rel(run_dirs[0]),
                           run_dirs=[self._rel(d) for d in run_dirs], knobs=knobs, step_s=mean_over(rows, "step_s"),
                           step_median_s=median_over(rows, "step_s"), stages_s=stages,
                           limiting_stage=diagnosis.limiting_stage, problems=[p.id for p in diagnosis.problems], **fields)
 
-    def _current_baseline(self, untuned: _Baseline, events: list[Event]) -> _Baseline:
+    def _current_baseline(self, untuned: _Baseline, state: JournalState) -> _Baseline:
         """The untuned run, or the trial the last round that kept one made its baseline."""
-        ends = [e for e in events if e["event"] == "round_end" and e.get("outcome") == "kept"]
-        if not ends:
+        kept = state.kept_rounds
+        if not kept:
             return untuned
-        last = next(e for e in events if e["event"] == "trial" and e["run_id"] == ends[-1]["baseline_run"])
-        return _load_run([self._abs(d) for d in last["run_dirs"]], last["run_id"], last["knobs"], last["step_s"])
+        last = state.trial(kept[-1].baseline_run)
+        return _load_run([self._abs(d) for d in last.run_dirs], last.run_id, last.knobs, last.step_s)
 
     def _journal_submission(self, run_id: str) -> Callable[[dict], None]:
         return lambda identity: self._emit("run_submitted", run_id=run_id, identity=identity)
 
-    def _run_trial(self, start: Event, forecast: Any, baseline: _Baseline, untuned: _Baseline,
+    def _run_trial(self, start: RunStartEvent, forecast: Any, baseline: _Baseline, untuned: _Baseline,
                    untuned_noise: float | None, library: Any, resume: dict[str, dict] | None = None) -> Any:
         compared = Baseline(run_id=baseline.run_id, rows=baseline.rows, untuned_run=untuned.run_id,
                             untuned_rows=untuned.rows, untuned_noise_pct=untuned_noise)
         return run_trial(self.job, self.job_path, forecast, baseline_knobs=baseline.knobs, baseline=compared,
-                         library=library, run_root=self.workdir / "runs", run_id=start["run_id"], steps=self.steps,
+                         library=library, run_root=self.workdir / "runs", run_id=start.run_id, steps=self.steps,
                          on_run=lambda rid, state: self._note("run", run_id=rid, state=state), on_output=self.on_output,
                          on_submit=lambda rid, identity: self._emit("run_submitted", run_id=rid, identity=identity),
                          resume=resume)
@@ -389,8 +428,9 @@ class AutoLoop:
         round_dir = self.workdir / "rounds" / f"r{round_no}"
         round_trials: list[Event] = []
         # A round resumed after an interruption keeps the trials it had already run.
-        done = sum(1 for e in self.journal.events() if e["event"] == "trial" and e["round"] == round_no)
-        attempt = sum(1 for e in self.journal.events() if e["event"] == "proposed" and e["round"] == round_no)
+        state = self._state()
+        done = len(state.trials_in(round_no))
+        attempt = state.attempts_in(round_no)
         while done + len(round_trials) < self.max_trials_per_round:
             room = min(self.parallel, self.trial_budget - trials_so_far - len(round_trials),
                        self.max_trials_per_round - done - len(round_trials))
@@ -435,7 +475,7 @@ class AutoLoop:
             starts = []
             for fc in chosen:
                 candidate = by_id[fc.candidate]
-                run_id = self._new_run_id(f"r{round_no}-{candidate.id.split('-', 1)[-1]}-a{attempt}", self.journal.events())
+                run_id = self._new_run_id(f"r{round_no}-{candidate.id.split('-', 1)[-1]}-a{attempt}", self._state())
                 starts.append(self._start_run(
                     run_id, "trial", round_no, {**baseline.knobs, **fc.overrides}, candidate=candidate.id,
                     fixes=candidate.fixes, baseline_run=baseline.run_id, baseline_step_s=baseline.step_s, worth=fc.worth,
@@ -451,78 +491,81 @@ class AutoLoop:
             kept = []
             for start, outcome in zip(starts, outcomes, strict=True):
                 round_trials.append(self._emit("trial", **self._trial_fields(start, outcome.verdict)))
-                tried.append(start["knobs"])
+                tried.append(start.knobs)
                 if outcome.kept:
                     kept.append((start, outcome))
             if kept:
                 start, outcome = min(kept, key=lambda pair: pair[1].verdict.step_s)
-                new = _load_run([Path(d) for d in outcome.verdict.run_dirs], start["run_id"], start["knobs"],
+                new = _load_run([Path(d) for d in outcome.verdict.run_dirs], start.run_id, start.knobs,
                                 outcome.verdict.step_s)
-                self._emit("round_end", round=round_no, outcome="kept", baseline_run=start["run_id"])
+                self._emit("round_end", round=round_no, outcome="kept", baseline_run=start.run_id)
                 return "kept", new, round_trials
         self._emit("round_end", round=round_no, outcome="none_kept")
         return "none_kept", baseline, round_trials
 
+    def _outcomes(self) -> list[tuple[dict, str, list[str]]]:
+        """(knobs, decision, failed limits) of the untuned baseline and every trial, as journalled."""
+        state = self._state()
+        return ([(b.knobs, "ok", []) for b in state.baselines]
+                + [(t.knobs, t.decision, t.failed_limits) for t in state.trials])
+
     def _failed_settings(self) -> list[set[tuple[str, Any]]]:
         """Knob values of runs that crashed or hung that never ran fine (see :func:`rltune.tune.pick.failed_settings`)."""
-        events = self.journal.events()
-        return failed_settings((e["knobs"], e.get("decision", "ok")) for e in events if e["event"] in ("baseline", "trial"))
+        return failed_settings((knobs, decision) for knobs, decision, _ in self._outcomes())
 
     def _limit_breaking_settings(self) -> list[set[tuple[str, Any]]]:
         """Knob values of runs that broke a numerical limit that no run holding it had
         (see :func:`rltune.tune.pick.limit_breaking_settings`)."""
-        events = self.journal.events()
-        return limit_breaking_settings((e["knobs"], e.get("decision", "ok"), e.get("failed_limits", []))
-                                       for e in events if e["event"] in ("baseline", "trial"))
+        return limit_breaking_settings(self._outcomes())
 
-    def _trial_fields(self, start: Event, verdict: Any) -> dict[str, Any]:
-        return dict(round=start["round"], run_id=start["run_id"], run_dirs=[self._rel(d) for d in verdict.run_dirs],
-                    candidate=start["candidate"], fixes=start["fixes"], group=start["group"], knobs=start["knobs"],
-                    worth=start.get("worth", ""), decision=verdict.decision, reason=verdict.reason, step_s=verdict.step_s,
+    def _trial_fields(self, start: RunStartEvent, verdict: Any) -> dict[str, Any]:
+        return dict(round=start.round, run_id=start.run_id, run_dirs=[self._rel(d) for d in verdict.run_dirs],
+                    candidate=start.candidate, fixes=start.fixes, group=start.group, knobs=start.knobs,
+                    worth=start.worth or "", decision=verdict.decision, reason=verdict.reason, step_s=verdict.step_s,
                     median_s=verdict.median_s, baseline_step_s=verdict.baseline_step_s, gain_pct=verdict.gain_pct,
                     noise_pct=verdict.noise_pct, forecast_step_s=verdict.forecast_step_s,
                     forecast_range_s=verdict.forecast_range_s, within_forecast_range=verdict.within_forecast_range,
                     stages_s=verdict.stages_s, remeasured=verdict.remeasured,
                     failed_limits=[c.name for c in verdict.limits if c.passed is False],
                     unmeasured_limits=[c.name for c in verdict.limits if c.passed is None],
-                    verdict=self._rel(self._abs(start["run_dir"]) / "verdict.yaml"))
+                    verdict=self._rel(RunDir(self._abs(start.run_dir)).verdict_path))
 
     def _finish(self, reason: str, untuned: _Baseline, best: _Baseline) -> AutoResult:
         from rltune.tune.preset import write_tuned_preset
         from rltune.tune.report import build_report
         from rltune.tune.savings import shares_by_group
 
-        events = self.journal.events()
-        trials = [e for e in events if e["event"] == "trial"]
-        made_baseline = {e["baseline_run"] for e in events if e["event"] == "round_end" and e.get("outcome") == "kept"}
-        kept = [(e["group"], (e["baseline_step_s"] or 0.0) - (e["step_s"] or 0.0)) for e in trials
-                if e["decision"] == "keep" and e["run_id"] in made_baseline]
-        baseline_event = next(e for e in events if e["event"] == "baseline" and e["round"] == 0)
+        state = self._state()
+        trials = state.trials
+        made_baseline = state.made_baseline
+        kept = [(t.group, (t.baseline_step_s or 0.0) - (t.step_s or 0.0)) for t in trials
+                if t.decision == "keep" and t.run_id in made_baseline]
+        baseline_event = state.untuned
         provenance = {"untuned_step_s": round(untuned.step_s, 4), "tuned_step_s": round(best.step_s, 4),
                       "speedup": round(untuned.step_s / best.step_s, 3) if best.step_s else None,
-                      "step": "mean over the measured steps", "noise_pct": baseline_event.get("noise_pct"),
+                      "step": "mean over the measured steps", "noise_pct": baseline_event.noise_pct,
                       "trials": len(trials), "best_run": best.run_id, "journal": str(self.journal.path)}
         preset = write_tuned_preset(self.job, self.job_path, best.knobs, self.tuned_dir, provenance)
         if self.reward_check is not None and best.run_id != untuned.run_id:
             # Before 'finish', so a kill during the long runs resumes into the check (its finished runs reused).
             from rltune.tune.reward_check import check_after_tuning
 
-            check_after_tuning(self.reward_check, preset, self.workdir, events, untuned.knobs, best.knobs,
+            check_after_tuning(self.reward_check, preset, self.workdir, state, untuned.knobs, best.knobs,
                                emit=self._emit, note=self._note, rel=self._rel, on_output=self.on_output)
         finish = self._emit("finish", reason=reason, untuned_run=untuned.run_id, untuned_step_s=untuned.step_s,
                             best_run=best.run_id, best_step_s=best.step_s, best_knobs=best.knobs, trials=len(trials),
                             savings=shares_by_group(kept), tuned_preset=str(preset.resolve()))
         report = build_report(self.workdir)
-        return self._result_from(finish, events, report)
+        return self._result_from(finish, report)
 
-    def _result_from(self, finish: Event, events: list[Event], report: Path | None = None) -> AutoResult:
+    def _result_from(self, finish: Any, report: Path | None = None) -> AutoResult:
         if report is None:
             from rltune.tune.report import build_report
 
             report = build_report(self.workdir)
-        return AutoResult(workdir=self.workdir, reason=finish["reason"], untuned_step_s=finish["untuned_step_s"],
-                          best_step_s=finish["best_step_s"], best_knobs=finish["best_knobs"], trials=finish["trials"],
-                          tuned_preset=Path(finish["tuned_preset"]), report=report)
+        return AutoResult(workdir=self.workdir, reason=finish.reason, untuned_step_s=finish.untuned_step_s,
+                          best_step_s=finish.best_step_s, best_knobs=finish.best_knobs, trials=finish.trials,
+                          tuned_preset=Path(finish.tuned_preset), report=report)
 
 
 # Launchers whose jobs outlive the process that submitted them: after a restart, rltune follows them again.

@@ -15,12 +15,15 @@ import io
 from pathlib import Path
 from typing import Any
 
+from rltune.contracts.journal import event_as_data
+from rltune.contracts.rundir import VERDICT_NAME, RunDir
 from rltune.contracts.schema import atomic_write_text
 from rltune.errors import RltuneError
-from rltune.tune.journal import Journal
+from rltune.tune.journal import JournalState, read_state
 from rltune.tune.savings import shares_by_group
 
-STAGES = ("rollout", "training", "weight_sync")
+# The stages stacked in the per-round bars: they add up to the synchronous step (old_logprob is inside training).
+PLOTTED_STAGES = ("rollout", "training", "weight_sync")
 DECISION_COLORS = {"keep": "#2a9d3f", "reject": "#c98a0b", "failed": "#c0392b", "baseline": "#34495e"}
 
 
@@ -56,23 +59,24 @@ def collect(workdir: str | Path) -> dict[str, Any]:
     """The numbers the report shows: start, baselines per round, trials, finish."""
     workdir = Path(workdir)
     if (workdir / "journal.jsonl").exists():
-        events = Journal(workdir / "journal.jsonl").events()
-        if not events:
+        state = read_state(workdir / "journal.jsonl")
+        if not state.events:
             raise ReportError(f"{workdir / 'journal.jsonl'}: no events yet; run 'rltune auto' to the first baseline")
-        return _from_events(events)
+        return _from_state(state)
     if workdir.is_dir():
         return _from_run_dirs(workdir)
     raise ReportError(f"{workdir}: no such directory; point 'rltune report' at an 'rltune auto' --workdir or at "
                       "the folder holding the run directories of 'rltune profile' and 'rltune trial'")
 
 
-def _from_events(events: list[dict[str, Any]]) -> dict[str, Any]:
-    start = next((e for e in events if e["event"] == "start"), {})
-    baselines = [e for e in events if e["event"] == "baseline"]
-    trials = [e for e in events if e["event"] == "trial"]
-    finish = next((e for e in reversed(events) if e["event"] == "finish"), None)
-    data = _assemble(start, baselines, trials, finish)
-    data["reward_check"] = next((e for e in reversed(events) if e["event"] == "reward_check"), None)
+def _from_state(state: JournalState) -> dict[str, Any]:
+    """The journal's replayed state as the plain records the page is drawn from."""
+    def plain(event: Any) -> dict[str, Any] | None:
+        return None if event is None else event_as_data(event)
+
+    data = _assemble(plain(state.start) or {}, [plain(b) for b in state.baselines], [plain(t) for t in state.trials],
+                     plain(state.finish))
+    data["reward_check"] = plain(state.reward_check)
     return data
 
 
@@ -92,11 +96,9 @@ def _assemble(start: dict, baselines: list[dict], trials: list[dict], finish: di
 
 def _from_run_dirs(folder: Path) -> dict[str, Any]:
     """Trials chained by hand: every verdict.yaml under ``folder`` (two levels deep), oldest first."""
-    from rltune.contracts.stages import read_stages
     from rltune.contracts.verdict import load_verdict
-    from rltune.profile.stats import mean_over
 
-    paths = sorted({*folder.glob("*/verdict.yaml"), *folder.glob("*/*/verdict.yaml"), *folder.glob("verdict.yaml")},
+    paths = sorted({*folder.glob(f"*/{VERDICT_NAME}"), *folder.glob(f"*/*/{VERDICT_NAME}"), *folder.glob(VERDICT_NAME)},
                    key=lambda p: (p.stat().st_mtime, str(p)))
     if not paths:
         raise ReportError(f"{folder}: no journal.jsonl and no run directory with a verdict.yaml under it; point "
@@ -114,9 +116,10 @@ def _from_run_dirs(folder: Path) -> dict[str, Any]:
     baselines = []
     untuned_dir = _find_run_dir(folder, first.untuned_run)
     if untuned_dir is not None:
-        rows = read_stages(untuned_dir / "stages.parquet").to_pylist()
-        baselines.append({"run_id": first.untuned_run, "step_s": mean_over(rows, "step_s"),
-                          "stages_s": {n: v for n in STAGES for v in [mean_over(rows, f"{n}_s")] if v is not None}})
+        from rltune.profile.run import RecordedRun
+
+        untuned = RecordedRun.from_dir(untuned_dir, first.untuned_run)
+        baselines.append({"run_id": first.untuned_run, "step_s": untuned.step_s(), "stages_s": untuned.stage_means()})
     elif first.baseline_run == first.untuned_run and first.baseline_step_s is not None:
         baselines.append({"run_id": first.untuned_run, "step_s": first.baseline_step_s, "stages_s": {}})
     trials = []
@@ -131,7 +134,7 @@ def _from_run_dirs(folder: Path) -> dict[str, Any]:
 
 def _find_run_dir(folder: Path, run_id: str) -> Path | None:
     for candidate in (folder / run_id, folder.parent / run_id, *folder.glob(f"*/{run_id}")):
-        if (candidate / "stages.parquet").exists():
+        if RunDir(candidate).has_stages():
             return candidate
     return None
 
@@ -170,7 +173,7 @@ def _plots(data: dict[str, Any], devices: int) -> list[tuple[str, str, str]]:
         fig, ax = plt.subplots(figsize=(7, 3.4))
         labels = [r["label"] for r in rounds]
         bottom = [0.0] * len(rounds)
-        for stage in STAGES:
+        for stage in PLOTTED_STAGES:
             heights = [float(r["stages_s"].get(stage) or 0.0) for r in rounds]
             ax.bar(labels, heights, bottom=bottom, label=stage)
             bottom = [b + h for b, h in zip(bottom, heights, strict=True)]

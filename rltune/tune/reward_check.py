@@ -52,7 +52,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rltune.contracts.job import JobSpec, KnobValue, load_job
 from rltune.contracts.reward_check import (
@@ -67,6 +67,10 @@ from rltune.contracts.reward_check import (
     save_reward_check,
 )
 from rltune.errors import RltuneError
+
+if TYPE_CHECKING:
+    from rltune.contracts.journal import RewardCheckEvent
+    from rltune.tune.journal import JournalState
 
 SEED_KNOB, TASK_SEED_KNOB = "seed", "task_seed"
 SEED_KNOBS = (SEED_KNOB, TASK_SEED_KNOB)
@@ -293,17 +297,17 @@ def _long_run_job(job: JobSpec, steps: int) -> JobSpec:
 
 def _finished_rows(run_dir: Path, knobs: dict[str, KnobValue], steps: int) -> list[dict] | None:
     """The rows of a finished run of exactly these knobs and steps in ``run_dir``, else None."""
-    import json
+    from rltune.contracts.rundir import RunDir
 
-    from rltune.contracts.stages import read_stages
-
-    try:
-        launch = json.loads((run_dir / "launch.json").read_text(encoding="utf-8"))
-        ran = load_job(run_dir / "job.yaml")
-        rows = read_stages(run_dir / "stages.parquet").to_pylist()
-    except (OSError, ValueError, RltuneError):
+    run = RunDir(run_dir)
+    if not run.finished_ok():
         return None
-    if launch.get("returncode") != 0 or launch.get("timed_out") or ran.knobs != knobs or ran.limits.steps != steps:
+    try:
+        ran = run.job()
+        rows = run.rows()
+    except RltuneError:
+        return None
+    if ran.knobs != knobs or ran.limits.steps != steps:
         return None
     return rows
 
@@ -518,7 +522,7 @@ def curves_of(path: str | Path) -> tuple[RewardCheck, dict[str, list[float]]]:
 
 # -- after 'rltune auto' ---------------------------------------------------------------------------
 
-def kept_changes(events: list[dict[str, Any]], untuned_knobs: dict[str, KnobValue],
+def kept_changes(state: JournalState, untuned_knobs: dict[str, KnobValue],
                  best_knobs: dict[str, KnobValue]) -> list[KeptChange]:
     """The kept trials of an auto journal as undoable changes, in the order they were kept.
 
@@ -527,30 +531,29 @@ def kept_changes(events: list[dict[str, Any]], untuned_knobs: dict[str, KnobValu
     set differently from the baseline it started from; undoing it sets back those the best setup still
     holds at the trial's value (a later change that moved a knob again owns that knob).
     """
-    made_baseline = {e.get("baseline_run") for e in events
-                     if e.get("event") == "round_end" and e.get("outcome") == "kept"}
+    made_baseline = state.made_baseline
     out, before = [], dict(untuned_knobs)
-    for event in events:
-        if event.get("event") != "trial" or event.get("decision") != "keep" or event["run_id"] not in made_baseline:
+    for trial in state.trials:
+        if trial.decision != "keep" or trial.run_id not in made_baseline:
             continue
-        after = dict(event["knobs"])
+        after = dict(trial.knobs)
         changed = {k: before.get(k) for k, v in after.items() if before.get(k) != v}
         reverted = {k: old for k, old in changed.items() if best_knobs.get(k) == after[k] and old is not None}
         if reverted:
-            fixes = "+".join(event.get("fixes") or []) or event.get("candidate", "")
-            out.append(KeptChange(f"{event['run_id']} ({fixes})", reverted))
+            fixes = "+".join(trial.fixes) or trial.candidate
+            out.append(KeptChange(f"{trial.run_id} ({fixes})", reverted))
         before = after
     return out
 
 
-def check_after_tuning(plan: RewardCheckPlan, tuned_preset: Path, workdir: Path, events: list[dict[str, Any]],
+def check_after_tuning(plan: RewardCheckPlan, tuned_preset: Path, workdir: Path, state: JournalState,
                        untuned_knobs: dict[str, KnobValue], best_knobs: dict[str, KnobValue], *,
                        emit: Callable[..., Any], note: Callable[..., Any], rel: Callable[[Path], str],
                        on_output: Callable[[str], None] | None = None) -> RewardCheckOutcome:
     """``rltune auto --reward-check``: check the tuned preset in ``workdir/reward-check``, attribute a failure
     to the journal's kept changes, and journal one ``reward_check`` event (``emit``); ``note`` follows the
     runs in the live view. Runs finished before a kill are reused when the loop is run again."""
-    changes = kept_changes(events, untuned_knobs, best_knobs)
+    changes = kept_changes(state, untuned_knobs, best_knobs)
     outcome = run_reward_check(tuned_preset, plan, workdir / "reward-check", changes=changes, on_output=on_output,
                                on_run=lambda run_id, state, detail: note("run", run_id=f"reward-check/{run_id}",
                                                                          state="done" if state != "start" else state))
@@ -561,9 +564,9 @@ def check_after_tuning(plan: RewardCheckPlan, tuned_preset: Path, workdir: Path,
     return outcome
 
 
-def last_reward_check(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+def last_reward_check(state: JournalState) -> RewardCheckEvent | None:
     """The journal's last ``reward_check`` event, if any."""
-    return next((e for e in reversed(events) if e.get("event") == "reward_check"), None)
+    return state.reward_check
 
 
 __all__ = ["BAND_Z", "Band", "CurveJudgement", "KeptChange", "RewardCheckInputError", "RewardCheckOutcome",

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from rltune.contracts.journal import event_as_data
 from rltune.predict.library import CaseLibrary
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,7 +78,7 @@ def test_parallel_2_runs_two_candidates_of_a_round_as_two_batch_jobs_and_decides
     loop = AutoLoop(_job(tmp_path, min_forecast_gain_pct=0), tmp_path / "tune", rounds=1, trial_budget=2,
                     max_trials_per_round=2, steps=3, parallel=2, tuned_dir=tmp_path / "tuned")
     result = loop.run()
-    events = loop.journal.events()
+    events = [event_as_data(e) for e in loop.journal.events()]  # the lines as written
     starts = [i for i, e in enumerate(events) if e["event"] == "run_start" and e["role"] == "trial"]
     trials = [i for i, e in enumerate(events) if e["event"] == "trial"]
     assert len(starts) == 2 and len(trials) == 2

@@ -47,3 +47,28 @@ def figure3_diagnosis() -> Diagnosis:
                     summary="GPUs busy half the time", severity=150.0),
         ],
     )
+
+
+# Neutral values for the fields each journal event requires, so a test writes only the fields it is about.
+_EVENT_FILL = {
+    "start": dict(job="job.yaml", job_name="tiny", gpus=0, device="cpu", rl_mode="sync", rounds=1, trial_budget=1,
+                  library="cases"),
+    "baseline": dict(round=0, run_id="base", run_dir="runs/base", knobs={}, step_s=1.0, stages_s={},
+                     limiting_stage="rollout", problems=[]),
+    "trial": dict(round=1, run_dirs=[], candidate="c1", fixes=["packing"], group="other", knobs={}, decision="keep",
+                  reason="", step_s=1.0, baseline_step_s=1.0, gain_pct=0.0, forecast_step_s=1.0,
+                  forecast_range_s=[1.0, 1.0], within_forecast_range=None, stages_s={}, remeasured=False,
+                  failed_limits=[], verdict="runs/r/verdict.yaml"),
+    "finish": dict(reason="", untuned_run="base", untuned_step_s=1.0, best_run="base", best_step_s=1.0, best_knobs={},
+                   trials=0, savings={}, tuned_preset="tuned.yaml"),
+}
+
+
+def add_event(journal, kind: str, **fields):
+    """Append one valid event of ``kind`` to ``journal``: ``fields`` over neutral values for the rest."""
+    from rltune.tune.journal import make_event
+
+    values = {**_EVENT_FILL.get(kind, {}), **fields}
+    if kind == "trial":
+        values.setdefault("run_id", f"r1-t{len(journal.events())}")
+    return journal.append(make_event(kind, 1.0, **values))

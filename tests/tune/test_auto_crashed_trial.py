@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import yaml
 
+from rltune.contracts.journal import event_as_data
 from rltune.contracts.verdict import load_verdict
 from rltune.predict.library import CaseLibrary
 from rltune.tune.auto import AutoLoop
@@ -50,7 +51,7 @@ def test_a_crashed_trial_is_recorded_with_its_log_tail_and_the_loop_goes_on(tmp_
     loop = AutoLoop(job, tmp_path / "tune", rounds=3, trial_budget=4, max_trials_per_round=3, steps=3,
                     knowledge=knowledge, tuned_dir=tmp_path / "tuned")
     result = loop.run()
-    events = loop.journal.events()
+    events = [event_as_data(e) for e in loop.journal.events()]  # the lines as written
     trials = [e for e in events if e["event"] == "trial"]
     failed = [t for t in trials if t["decision"] == "failed"]
     assert len(failed) == 1, [(t["fixes"], t["decision"]) for t in trials]

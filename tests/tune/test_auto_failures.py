@@ -6,7 +6,7 @@ from rltune.contracts.forecast import CandidateForecast
 from rltune.tune.auto import AutoLoop
 from rltune.tune.pick import crash_aware_order, holds_a_failed_set
 
-from .helpers import DEMO
+from .helpers import DEMO, add_event
 
 BASE = {"rl_mode": "sync", "micro_batch_size": 8, "packing": False, "engine_compile": False}
 
@@ -48,11 +48,11 @@ def test_setups_sharing_fewer_crashed_values_are_tried_first_then_by_forecast():
 
 def test_failed_sets_come_from_the_journal_and_leave_out_values_that_ran_fine(tmp_path):
     loop = AutoLoop(DEMO, tmp_path / "tune", tuned_dir=tmp_path / "tuned")
-    loop.journal.append("baseline", knobs=dict(BASE))
-    loop.journal.append("trial", knobs={**BASE, "rl_mode": "fully_async", "packing": True}, decision="keep")
-    loop.journal.append("trial", knobs={**BASE, "rl_mode": "fully_async", "packing": True, "engine_compile": True,
+    add_event(loop.journal, "baseline", knobs=dict(BASE))
+    add_event(loop.journal, "trial", knobs={**BASE, "rl_mode": "fully_async", "packing": True}, decision="keep")
+    add_event(loop.journal, "trial", knobs={**BASE, "rl_mode": "fully_async", "packing": True, "engine_compile": True,
                                         "micro_batch_size": 32}, decision="failed")
-    loop.journal.append("trial", knobs={**BASE, "rl_mode": "fully_async"}, decision="failed")
+    add_event(loop.journal, "trial", knobs={**BASE, "rl_mode": "fully_async"}, decision="failed")
     assert loop._failed_settings() == [{("engine_compile", True), ("micro_batch_size", 32)}]
 
 
@@ -140,11 +140,11 @@ def test_pick_skips_a_limit_breaking_setting_but_keeps_the_forecast_order_of_the
 
 def test_limit_breaking_sets_come_from_the_journal(tmp_path):
     loop = AutoLoop(DEMO, tmp_path / "tune", tuned_dir=tmp_path / "tuned")
-    loop.journal.append("baseline", knobs=dict(BASE))
-    loop.journal.append("trial", knobs={**BASE, "rl_mode": "fully_async", "packing": True}, decision="reject",
+    add_event(loop.journal, "baseline", knobs=dict(BASE))
+    add_event(loop.journal, "trial", knobs={**BASE, "rl_mode": "fully_async", "packing": True}, decision="reject",
                         failed_limits=["speed", "gap"])
-    loop.journal.append("trial", knobs={**BASE, "packing": True}, decision="keep", failed_limits=[])
-    loop.journal.append("trial", knobs={**BASE, "packing": True, "micro_batch_size": 32}, decision="reject",
+    add_event(loop.journal, "trial", knobs={**BASE, "packing": True}, decision="keep", failed_limits=[])
+    add_event(loop.journal, "trial", knobs={**BASE, "packing": True, "micro_batch_size": 32}, decision="reject",
                         failed_limits=["speed"])
     assert loop._limit_breaking_settings() == [{("rl_mode", "fully_async")}]
     assert loop._failed_settings() == []

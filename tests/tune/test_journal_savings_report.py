@@ -13,27 +13,106 @@ from rltune.tune.preset import write_tuned_preset
 from rltune.tune.report import ReportError, build_report
 from rltune.tune.savings import savings_matrix, shares_by_group
 
-from .helpers import DEMO
+from .helpers import DEMO, add_event
 
 
 def test_journal_replays_in_order_and_skips_a_torn_last_line(tmp_path):
     journal = Journal(tmp_path / "journal.jsonl")
-    journal.append("start", job="a.yaml")
-    journal.append("trial", run_id="r1-c1", step_s=1.5)
+    add_event(journal, "start", job="a.yaml")
+    add_event(journal, "trial", run_id="r1-c1", step_s=1.5)
     with open(journal.path, "ab") as handle:           # a writer killed mid-line
         handle.write(b'{"event": "trial", "run_id": "r1-')
-    assert [e["event"] for e in journal.events()] == ["start", "trial"]
-    journal.append("finish", reason="budget")          # the next append starts a fresh line
+    assert [e.event for e in journal.events()] == ["start", "trial"]
+    add_event(journal, "finish", reason="budget")      # the next append cuts the torn line and starts a fresh one
     events = journal.events()
-    assert [e["event"] for e in events] == ["start", "trial", "finish"]
-    assert events[1]["step_s"] == 1.5 and events[2]["reason"] == "budget"
+    assert [e.event for e in events] == ["start", "trial", "finish"]
+    assert events[1].step_s == 1.5 and events[2].reason == "budget"
+    assert b"r1-\n" not in journal.path.read_bytes() and journal.path.read_bytes().count(b"\n") == 3
+
+
+def test_a_complete_last_event_without_its_newline_is_kept_and_the_next_append_ends_it(tmp_path):
+    """An editor saves the file without a final newline: the event is whole, so it is read and kept."""
+    journal = Journal(tmp_path / "journal.jsonl")
+    add_event(journal, "start", job="a.yaml")
+    add_event(journal, "baseline", run_id="r0-untuned", step_s=2.0)
+    journal.path.write_bytes(journal.path.read_bytes().rstrip(b"\n"))
+    assert [e.event for e in journal.events()] == ["start", "baseline"]
+    add_event(journal, "trial", run_id="r1-c1")
+    events = journal.events()
+    assert [e.event for e in events] == ["start", "baseline", "trial"] and events[1].step_s == 2.0
+    assert journal.path.read_bytes().endswith(b"\n") and journal.path.read_bytes().count(b"\n") == 3
+
+
+@pytest.mark.parametrize("tail, problem", [
+    (b'{"event": "baseline", "round": 0}', "time: missing required field"),     # whole JSON, not a whole event
+    (b"\xff\xfe\x00garbage", "not text"),                                       # not UTF-8
+    (b"hello", "not a JSON object"),                                            # not the start of an event
+    (b'{"event": "banana", "time": 1.0}', "event: expected one of start"),       # an unknown kind
+])
+def test_a_last_line_that_is_not_a_torn_event_is_refused_and_kept(tmp_path, tail, problem):
+    """Only a line a killed writer leaves (an unparsable prefix of an object) is ever cut."""
+    journal = Journal(tmp_path / "journal.jsonl")
+    add_event(journal, "start", job="a.yaml")
+    with open(journal.path, "ab") as handle:
+        handle.write(tail)
+    before = journal.path.read_bytes()
+    with pytest.raises(JournalError, match=f"line 2.*{problem}"):
+        journal.events()
+    with pytest.raises(JournalError, match=problem):
+        add_event(journal, "finish")
+    assert journal.path.read_bytes() == before
 
 
 def test_journal_refuses_a_corrupt_line_in_the_middle(tmp_path):
     path = tmp_path / "journal.jsonl"
-    path.write_text('{"event": "start"}\nnot json\n{"event": "finish"}\n')
-    with pytest.raises(JournalError, match="line 2: not JSON"):
+    journal = Journal(path)
+    add_event(journal, "start")
+    with open(path, "ab") as handle:
+        handle.write(b"not json\n")
+    add_event(journal, "finish")
+    with pytest.raises(JournalError, match="line 2: not a JSON object"):
         Journal(path).events()
+
+
+@pytest.mark.parametrize("field, value, problem", [
+    ("step_s", -0.5, "expected a value >= 0"),
+    ("step_s", "fast", "expected a number"),
+    ("decision", "maybe", "expected one of 'keep', 'reject', 'failed'"),
+    ("color", "red", "unknown key"),
+])
+def test_journal_refuses_an_event_of_the_wrong_shape_naming_line_and_field(tmp_path, field, value, problem):
+    import json
+
+    journal = Journal(tmp_path / "journal.jsonl")
+    add_event(journal, "start")
+    event = add_event(journal, "trial", run_id="r1-c1")
+    from rltune.contracts.journal import event_as_data
+
+    data = {**event_as_data(event), field: value}
+    journal.path.write_bytes(journal.path.read_bytes() + json.dumps(data).encode() + b"\n")
+    with pytest.raises(JournalError, match=f"line 3 \\(trial\\).{field}: {problem}"):
+        journal.events()
+
+
+def test_a_nan_is_never_written_to_the_journal(tmp_path):
+    journal = Journal(tmp_path / "journal.jsonl")
+    add_event(journal, "start")
+    before = journal.path.read_bytes()
+    with pytest.raises(JournalError, match="finite"):
+        add_event(journal, "trial", step_s=float("nan"))
+    assert journal.path.read_bytes() == before
+
+
+def test_every_journal_the_project_recorded_replays_under_the_schemas():
+    """The real journals of earlier tuning runs (bench/results) read whole: the schemas fit what auto wrote."""
+    from rltune.tune.journal import replay
+
+    paths = sorted((DEMO.parent.parent / "bench" / "results").glob("*/journal.jsonl"))
+    assert len(paths) >= 10
+    for path in paths:
+        state = replay(Journal(path).events())
+        assert state.start is not None and state.untuned is not None, path
+        assert all(state.trial(rid) for rid in state.made_baseline)
 
 
 def test_savings_shares_follow_the_seed_example():
@@ -66,18 +145,20 @@ def test_tuned_preset_keeps_the_launch_directory_and_loads(tmp_path):
 def journal_of_a_tuning_run(workdir):
     """The events 'auto' writes, with the fields the report reads (numbers only exercise the rendering)."""
     j = Journal(workdir / "journal.jsonl")
-    j.append("start", job="job.yaml", job_name="tiny", gpus=1, device="H200", rl_mode="sync")
-    j.append("baseline", round=0, run_id="base", step_s=10.0, stages_s={"rollout": 6.0, "training": 3.5, "weight_sync": 0.5})
-    j.append("trial", round=1, run_id="r1-c1", candidate="r1-c1", fixes=["one_step_async"], group="async",
-             decision="keep", reason="all limits pass", step_s=7.0, baseline_step_s=10.0, gain_pct=30.0,
-             forecast_step_s=6.5, forecast_range_s=[6.0, 7.5], stages_s={"rollout": 6.0, "training": 3.5, "weight_sync": 0.5})
-    j.append("trial", round=2, run_id="r2-c1", candidate="r2-c1", fixes=["larger_micro_batch"], group="trainer",
-             decision="reject", reason="speed: 1% <= 4% noise", step_s=6.9, baseline_step_s=7.0, gain_pct=1.0,
-             forecast_step_s=6.0, forecast_range_s=[5.5, 6.5], stages_s={})
-    j.append("trial", round=2, run_id="r2-c2", candidate="r2-c2", fixes=["packing"], group="trainer",
-             decision="failed", reason="exit 1", step_s=None, baseline_step_s=7.0, gain_pct=None,
-             forecast_step_s=6.2, forecast_range_s=[5.9, 6.8], stages_s={})
-    j.append("finish", reason="no candidate forecast >= 5% faster", tuned_preset="presets/tuned/tiny.yaml")
+    add_event(j, "start", job="job.yaml", job_name="tiny", gpus=1, device="H200", rl_mode="sync")
+    add_event(j, "baseline", round=0, run_id="base", step_s=10.0,
+              stages_s={"rollout": 6.0, "training": 3.5, "weight_sync": 0.5})
+    add_event(j, "trial", round=1, run_id="r1-c1", candidate="r1-c1", fixes=["one_step_async"], group="async",
+              decision="keep", reason="all limits pass", step_s=7.0, baseline_step_s=10.0, gain_pct=30.0,
+              forecast_step_s=6.5, forecast_range_s=[6.0, 7.5],
+              stages_s={"rollout": 6.0, "training": 3.5, "weight_sync": 0.5})
+    add_event(j, "trial", round=2, run_id="r2-c1", candidate="r2-c1", fixes=["larger_micro_batch"], group="trainer",
+              decision="reject", reason="speed: 1% <= 4% noise", step_s=6.9, baseline_step_s=7.0, gain_pct=1.0,
+              forecast_step_s=6.0, forecast_range_s=[5.5, 6.5], stages_s={})
+    add_event(j, "trial", round=2, run_id="r2-c2", candidate="r2-c2", fixes=["packing"], group="trainer",
+              decision="failed", reason="exit 1", step_s=None, baseline_step_s=7.0, gain_pct=None,
+              forecast_step_s=6.2, forecast_range_s=[5.9, 6.8], stages_s={})
+    add_event(j, "finish", reason="no candidate forecast >= 5% faster", tuned_preset="presets/tuned/tiny.yaml")
 
 
 def test_report_is_one_self_contained_page_with_embedded_plots(tmp_path):

@@ -31,7 +31,7 @@ from rltune.tune.reward_check import (
     seed_band,
 )
 
-from .helpers import DEMO, REPO
+from .helpers import DEMO, REPO, add_event
 
 LEARN = REPO / "presets" / "cpu-math-learn.yaml"
 STEPS, WINDOW = 16, 4
@@ -83,18 +83,20 @@ def test_a_curve_outside_the_band_fails_within_band_and_one_below_also_fails_fin
     assert below.final_delta == pytest.approx(-3.5) and below.max_deviation_step == 1
 
 
-def test_kept_changes_follow_the_journal_and_a_later_change_owns_a_knob_it_moved_again():
+def test_kept_changes_follow_the_journal_and_a_later_change_owns_a_knob_it_moved_again(tmp_path):
+    from rltune.tune.journal import Journal, replay
+
     untuned = {"a": 1, "b": 1, "c": 1}
-    events = [{"event": "start"},
-              {"event": "trial", "decision": "keep", "run_id": "r1-x", "fixes": ["fa"], "knobs": {"a": 2, "b": 1, "c": 1}},
-              {"event": "round_end", "outcome": "kept", "baseline_run": "r1-x"},
-              {"event": "trial", "decision": "reject", "run_id": "r2-y", "fixes": ["fc"], "knobs": {"a": 2, "b": 1, "c": 5}},
-              # kept in a parallel round, but the round went on from r2-z: not a change of the best setup
-              {"event": "trial", "decision": "keep", "run_id": "r2-w", "fixes": ["fc"], "knobs": {"a": 2, "b": 1, "c": 7}},
-              {"event": "trial", "decision": "keep", "run_id": "r2-z", "fixes": ["fa", "fb"],
-               "knobs": {"a": 3, "b": 2, "c": 1}},
-              {"event": "round_end", "outcome": "kept", "baseline_run": "r2-z"}]
-    changes = kept_changes(events, untuned, {"a": 3, "b": 2, "c": 1})
+    journal = Journal(tmp_path / "journal.jsonl")
+    add_event(journal, "start")
+    add_event(journal, "trial", decision="keep", run_id="r1-x", fixes=["fa"], knobs={"a": 2, "b": 1, "c": 1})
+    add_event(journal, "round_end", round=1, outcome="kept", baseline_run="r1-x")
+    add_event(journal, "trial", decision="reject", run_id="r2-y", fixes=["fc"], knobs={"a": 2, "b": 1, "c": 5})
+    # kept in a parallel round, but the round went on from r2-z: not a change of the best setup
+    add_event(journal, "trial", decision="keep", run_id="r2-w", fixes=["fc"], knobs={"a": 2, "b": 1, "c": 7})
+    add_event(journal, "trial", decision="keep", run_id="r2-z", fixes=["fa", "fb"], knobs={"a": 3, "b": 2, "c": 1})
+    add_event(journal, "round_end", round=2, outcome="kept", baseline_run="r2-z")
+    changes = kept_changes(replay(journal.events()), untuned, {"a": 3, "b": 2, "c": 1})
     # r1-x only moved a, which r2-z moved again: nothing of it is left to undo.
     assert [(c.label, c.reverted) for c in changes] == [("r2-z (fa+fb)", {"a": 2, "b": 1})]
 
@@ -241,7 +243,7 @@ def test_a_tuned_job_that_crashes_is_exit_4_with_its_log(broken):
 def test_auto_checks_its_tuned_preset_blames_the_knob_of_a_bundle_and_the_report_draws_the_band(broken, tmp_path):
     """The loop's end with --reward-check, on the journal of a finished tuning whose one kept change is
     a bundle: the broken advantage with the neutral sync transport (resumed to its finish)."""
-    from rltune.tune.journal import Journal
+    from rltune.tune.journal import Journal, replay
 
     folder, against, broken_out, _ = broken
     work = tmp_path / "tune"
@@ -253,24 +255,24 @@ def test_auto_checks_its_tuned_preset_blames_the_knob_of_a_bundle_and_the_report
     journal = Journal(work / "journal.jsonl")
     base = yaml.safe_load(against.read_text())["knobs"]
     knobs = {**base, "advantage_sign": -1, "sync_transport": "inprocess"}
-    journal.append("start", job=str(against), job_name="tiny-math-learn-cpu", gpus=0, device="cpu", rl_mode="sync",
+    add_event(journal, "start", job=str(against), job_name="tiny-math-learn-cpu", gpus=0, device="cpu", rl_mode="sync",
                    rounds=1, trial_budget=1, steps=STEPS, baseline_runs=1, library="cases")
-    journal.append("baseline", round=0, run_id="r0-untuned", run_ids=["r0-untuned"], run_dir=str(untuned_dir),
+    add_event(journal, "baseline", round=0, run_id="r0-untuned", run_ids=["r0-untuned"], run_dir=str(untuned_dir),
                    run_dirs=[str(untuned_dir)], knobs=base, step_s=1.0, step_median_s=1.0, stages_s={},
                    limiting_stage="rollout", problems=[], noise_pct=5.0, noise="")
-    journal.append("trial", round=1, run_id="r1-bundle-a1", run_dirs=[str(trial_dir)], candidate="r1-c1",
+    add_event(journal, "trial", round=1, run_id="r1-bundle-a1", run_dirs=[str(trial_dir)], candidate="r1-c1",
                    fixes=["flip_advantage", "inprocess_sync"], group="trainer", knobs=knobs, decision="keep",
                    reason="faster", step_s=0.5, median_s=0.5, baseline_step_s=1.0, gain_pct=50.0, noise_pct=5.0)
-    journal.append("round_end", round=1, outcome="kept", baseline_run="r1-bundle-a1")
+    add_event(journal, "round_end", round=1, outcome="kept", baseline_run="r1-bundle-a1")
     reused = {p: p.read_text() for p in runs.glob("*/launch.json")}
     code = main(["auto", str(against), "--workdir", str(work), "--rounds", "1", "--trials", "1", "--tuned-dir",
                  str(tmp_path / "tuned"), "--reward-check", str(STEPS), "--no-live", "--json"])
     assert code == 3
-    event = last_reward_check(journal.events())
+    event = last_reward_check(replay(journal.events()))
     bundle = "r1-bundle-a1 (flip_advantage+inprocess_sync)"
-    assert event["decision"] == "fail" and event["blamed"] == [bundle, f"{bundle}: advantage_sign"]
-    assert [e["event"] for e in journal.events()][-2:] == ["reward_check", "finish"]
-    check = load_reward_check(work / event["verdict"])
+    assert event.decision == "fail" and event.blamed == [bundle, f"{bundle}: advantage_sign"]
+    assert [e.event for e in journal.events()][-2:] == ["reward_check", "finish"]
+    check = load_reward_check(work / event.verdict)
     assert check.tuned_job == str(tmp_path / "tuned" / "tiny-math-learn-cpu.yaml")
     assert check.window == 2  # the default: a tenth of the steps, at least 2
     assert [(a.change, a.run_id, a.passed) for a in check.attribution] == [
