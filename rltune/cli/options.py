@@ -1,0 +1,120 @@
+"""Checks of command-line values that several commands share: step counts, list flags, ``--set``.
+
+click would answer a bad value with a usage block; these answer with the one line every rltune
+error gets (``rltune: --steps 0: ...``, exit 2), the same in every command. Only typer-free,
+light imports here: every command module imports this at call time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rltune.errors import RltuneError
+
+MAX_STEPS = 1_000_000
+
+
+class OptionError(RltuneError):
+    """A command-line value rltune cannot use; the message names the flag, the value and the fix."""
+
+    exit_code = 2
+
+
+def check_steps(steps: int | None, flag: str = "--steps") -> int | None:
+    """``steps`` if it is a step count rltune can run (1 to 1,000,000), else one line naming ``flag``."""
+    if steps is None:
+        return None
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+        shown = str(steps) if len(str(steps)) <= 24 else str(steps)[:21] + "..."
+        raise OptionError(f"{flag} {shown}: give a step count from 1 to {MAX_STEPS}")
+    return steps
+
+
+def check_at_least(value: int | None, least: int, flag: str, what: str) -> int | None:
+    """``value`` if it is at least ``least`` (``None`` passes), else one line: ``--max -3: keep at least 1 ...``."""
+    if value is not None and value < least:
+        raise OptionError(f"{flag} {value}: {what} must be at least {least}")
+    return value
+
+
+def refuse_unused(flag: str, given: bool, mode: str) -> None:
+    """A flag that does nothing in the mode the command runs in is refused, not ignored."""
+    if given:
+        raise OptionError(f"{flag} does nothing {mode}; leave it out")
+
+
+def parse_list(flag: str, text: str, choices: tuple[str, ...] | None = None) -> list[str]:
+    """A comma list read strictly: no empty items (``1,,2``), no repeats, each among ``choices`` if given."""
+    items = [item.strip() for item in text.split(",")]
+    if not text.strip() or any(not item for item in items):
+        raise OptionError(f"{flag} {text!r}: give a comma list without empty items, e.g. "
+                          f"{','.join(choices[:2]) if choices else '1,2,4'}")
+    if choices is not None:
+        unknown = [item for item in items if item not in choices]
+        if unknown:
+            raise OptionError(f"{flag} {text!r}: {unknown[0]!r} is not one of {', '.join(choices)}")
+    repeated = sorted({item for item in items if items.count(item) > 1})
+    if repeated:
+        raise OptionError(f"{flag} {text!r}: {repeated[0]!r} is given twice; name each once")
+    return items
+
+
+def parse_int_list(flag: str, text: str, least: int = 0) -> list[int]:
+    """A strict comma list of integers, each at least ``least`` (``--readers 1,2,4``)."""
+    values = []
+    for item in parse_list(flag, text):
+        try:
+            value = int(item)
+        except ValueError:
+            raise OptionError(f"{flag} {text!r}: {item!r} is not an integer; give a comma list of integers, "
+                              f"e.g. 1,2,4") from None
+        if value < least:
+            raise OptionError(f"{flag} {text!r}: {value} is below {least}")
+        values.append(value)
+    return values
+
+
+def parse_sets(values: list[str], flag: str = "--set") -> dict[str, Any]:
+    """``knob=value`` pairs (value read as YAML scalar); a knob given twice is refused."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in values:
+        knob, sep, raw = item.partition("=")
+        knob = knob.strip()
+        if not sep or not knob:
+            raise OptionError(f"{flag} {item!r}: expected knob=value, e.g. {flag} micro_batch_size=8")
+        if knob in out:
+            raise OptionError(f"{flag} {knob}: given twice ({knob}={out[knob]!r} and {item!r}); give each knob once")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        if not isinstance(value, (int, float, str, bool)):
+            value = raw
+        out[knob] = value
+    return out
+
+
+def check_set_types(job, overrides: dict[str, Any], source: str, flag: str = "--set") -> None:
+    """Each override must be a knob of ``job`` with a value of its baseline's type (an int knob takes an int).
+
+    A stop-gap until the schema layer checks knob overrides itself; the rule is the one the job's
+    ``knobs`` imply: bool stays bool, int stays int, a float knob takes any number, a string knob a string.
+    """
+    for knob, value in overrides.items():
+        if knob not in job.knobs:
+            known = ", ".join(sorted(job.knobs)) or "none"
+            raise OptionError(f"{flag} {knob}={value}: {source} has no knob {knob!r} (its knobs: {known})")
+        base = job.knobs[knob]
+        if isinstance(base, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(base, int):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif isinstance(base, float):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, type(base))
+        if not ok:
+            kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(type(base), type(base).__name__)
+            raise OptionError(f"{flag} {knob}={value}: {knob} takes {kind} (baseline in {source}: {base!r})")
