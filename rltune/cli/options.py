@@ -79,13 +79,15 @@ def parse_sets(values: list[str], flag: str = "--set") -> dict[str, Any]:
     import yaml
 
     out: dict[str, Any] = {}
+    given: dict[str, str] = {}
     for item in values:
         knob, sep, raw = item.partition("=")
         knob = knob.strip()
         if not sep or not knob:
             raise OptionError(f"{flag} {item!r}: expected knob=value, e.g. {flag} micro_batch_size=8")
         if knob in out:
-            raise OptionError(f"{flag} {knob}: given twice ({knob}={out[knob]!r} and {item!r}); give each knob once")
+            raise OptionError(f"{flag} {knob}: given twice ({given[knob]} and {item}); give each knob once")
+        given[knob] = item
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:

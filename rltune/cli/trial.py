@@ -135,6 +135,7 @@ def _show(verdict, path: Path) -> None:
         table.add_row(check.name, "n/a" if check.value is None else f"{check.value:.4g}",
                       "n/a" if check.threshold is None else f"{check.threshold:.4g}",
                       "not measured" if check.passed is None else "yes" if check.passed else "NO")
-    console.print(table)
+    if verdict.limits:  # a job that failed has no limit to show
+        console.print(table)
     if verdict.log_tail:
         console.print(verdict.log_tail, markup=False, highlight=False)

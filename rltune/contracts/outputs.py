@@ -103,7 +103,7 @@ def check_output(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike 
                                   f"give {flag} another path")
     if expect == "file":
         if path.is_dir():
-            raise OutputPathError(f"{where}: is a directory; give {flag} a file path, e.g. {path / 'out.yaml'}")
+            raise OutputPathError(f"{where}: is a directory; give {flag} the path of a file")
         if path.exists() and _is_record(path):
             raise OutputPathError(f"{where}: is a recorded file ({_record_kind(path)}) that must not be replaced; "
                                   f"give {flag} a new file")
