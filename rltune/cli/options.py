@@ -43,12 +43,12 @@ def refuse_unused(flag: str, given: bool, mode: str) -> None:
         raise OptionError(f"{flag} does nothing {mode}; leave it out")
 
 
-def parse_list(flag: str, text: str, choices: tuple[str, ...] | None = None) -> list[str]:
+def parse_list(flag: str, text: str, choices: tuple[str, ...] | None = None, example: str = "1,2,4") -> list[str]:
     """A comma list read strictly: no empty items (``1,,2``), no repeats, each among ``choices`` if given."""
     items = [item.strip() for item in text.split(",")]
     if not text.strip() or any(not item for item in items):
         raise OptionError(f"{flag} {text!r}: give a comma list without empty items, e.g. "
-                          f"{','.join(choices[:2]) if choices else '1,2,4'}")
+                          f"{','.join(choices[:2]) if choices else example}")
     if choices is not None:
         unknown = [item for item in items if item not in choices]
         if unknown:

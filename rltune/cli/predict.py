@@ -48,8 +48,8 @@ def register(app: typer.Typer) -> None:
 
         from rltune.contracts.candidates import load_candidates
         from rltune.contracts.forecast import save_forecast
-        from rltune.contracts.outputs import check_output
         from rltune.contracts.job import load_job
+        from rltune.contracts.outputs import check_output
         from rltune.predict.forecast import forecast_candidates
         from rltune.predict.library import (
             CaseLibrary,

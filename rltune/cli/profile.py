@@ -171,11 +171,10 @@ def register(app: typer.Typer) -> None:
 def _run_job(job_path: Path, steps, out, overrides: dict, library: Path | None, vllm_metrics: str | None = None):
     import sys
 
+    from rltune.cli.options import check_set_types
     from rltune.contracts.job import load_job
     from rltune.launch import new_run_dir
     from rltune.profile import profile_job
-
-    from rltune.cli.options import check_set_types
 
     job = load_job(job_path)
     check_set_types(job, overrides, str(job_path))

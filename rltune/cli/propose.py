@@ -35,9 +35,9 @@ def register(app: typer.Typer) -> None:
 
         from rltune.cli.options import check_at_least
         from rltune.contracts.candidates import save_candidates
-        from rltune.contracts.outputs import check_output
         from rltune.contracts.diagnosis import load_diagnosis
         from rltune.contracts.job import load_job
+        from rltune.contracts.outputs import check_output
         from rltune.tune.knowledge import load_default_knowledge
         from rltune.tune.propose import propose
 

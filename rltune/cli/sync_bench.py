@@ -79,7 +79,7 @@ def register(app: typer.Typer) -> None:
             refuse_unused("--device", device is not None, mode)
             _readers(preset, out, readers, storage, steps, warmup_steps, json_out, quiet)
             return
-        chosen = parse_list("--transports", transports) if transports is not None else None
+        chosen = parse_list("--transports", transports, example="filesystem,sparse") if transports is not None else None
         if device is not None:
             _check_device(device)
 
