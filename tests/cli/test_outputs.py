@@ -134,7 +134,7 @@ def test_report_refuses_to_write_over_the_journal_it_reads(tmp_path, capsys):
     (["--set", "packing=1"], "packing takes true or false"),
     (["--set", "micro_batch_size=4", "--set", "micro_batch_size=8"],
      "--set micro_batch_size: given twice (micro_batch_size=4 and micro_batch_size=8)"),
-    (["--set", "no_such_knob=1"], "has no knob 'no_such_knob'"),
+    (["--set", "no_such_knob=1"], "launch.knob_map: no entry for knob 'no_such_knob'"),
 ])
 def test_profile_refuses_flags_it_cannot_use_before_running(argv, says, tmp_path, capsys):
     rc = main(["profile", str(DEMO), "--out", str(tmp_path / "run"), *argv])
