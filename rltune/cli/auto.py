@@ -21,6 +21,7 @@ run left over is cancelled and run again. --parallel K runs up to K candidates o
 
 Example:
 
+\b
   rltune auto job.yaml --rounds 4 --workdir runs/tune
 """
 
@@ -33,7 +34,7 @@ def register(app: typer.Typer) -> None:
         rounds: int = typer.Option(4, "--rounds", min=1, help="most rounds (a round ends when a setup is kept)"),
         trials: int = typer.Option(12, "--trials", min=1, help="trial budget over all rounds"),
         per_round: int = typer.Option(3, "--per-round", min=1, help="most trials in one round"),
-        steps: int = typer.Option(None, "--steps", help="steps per run (default limits.steps)"),
+        steps: int = typer.Option(None, "--steps", help="steps per run, 1 to 1000000 (default limits.steps)"),
         library: Path = typer.Option(None, "--library", help="case library (default WORKDIR/cases)"),
         knowledge: Path = typer.Option(None, "--knowledge", help="knowledge base (default presets/knowledge.yaml)"),
         tuned_dir: Path = typer.Option(Path("presets/tuned"), "--tuned-dir", help="where the tuned preset is written"),
@@ -46,9 +47,18 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         import json
 
+        from rltune.cli.options import check_steps
         from rltune.contracts.job import load_job
+        from rltune.contracts.outputs import check_output
         from rltune.tune.auto import AutoLoop
 
+        check_steps(steps)
+        check_steps(reward_check, "--reward-check")
+        inputs = [job, knowledge, reward_against]
+        check_output(workdir, inputs=inputs, expect="dir", flag="--workdir")
+        check_output(tuned_dir, inputs=inputs, expect="dir", flag="--tuned-dir")
+        if library is not None:
+            check_output(library, inputs=inputs, expect="dir", flag="--library")
         plan = None
         if reward_check is not None:  # checked before the loop: bad input must not wait for the tuning to end
             from rltune.tune.reward_check import plan_reward_check

@@ -17,6 +17,7 @@ eval.json (every forecast) and eval.png (predicted against measured, with the +-
 
 Example:
 
+\b
   rltune eval --library cases/ --out runs/eval
 """
 
@@ -29,20 +30,20 @@ def register(app: typer.Typer) -> None:
         json_out: bool = typer.Option(False, "--json", help="print a machine-readable summary on stdout"),
     ) -> None:
         import json
-        import sys
         import warnings
 
+        from rltune.contracts.outputs import check_output
         from rltune.errors import RltuneError
         from rltune.predict.evaluate import evaluate, plot
         from rltune.predict.library import CaseLibrary, CorruptCaseWarning
 
         if not library.is_dir():
             raise RltuneError(f"{library}: no case library there; pass --library DIR (a directory of case files)")
-        with warnings.catch_warnings(record=True) as caught:
+        if out is not None:
+            check_output(out, inputs=[library], expect="dir", writes=("eval.json", "eval.png"))
+        with warnings.catch_warnings():  # every skipped case is told (rltune.cli.main formats the lines)
             warnings.simplefilter("always", CorruptCaseWarning)
             report = evaluate(CaseLibrary(library))
-        for w in caught:
-            print(f"rltune: warning: {w.message}", file=sys.stderr)
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
             (out / "eval.json").write_text(json.dumps(report.to_dict(), indent=1), encoding="utf-8")

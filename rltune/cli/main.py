@@ -3,17 +3,18 @@
 Each command lives in its own module under ``rltune.cli`` and exposes ``register(app)``. Those
 modules import only typer at import time; torch, triton, scipy and pyarrow load inside a command's
 body, so ``rltune --help`` stays fast. Every :class:`~rltune.errors.RltuneError` that reaches here
-becomes one line on stderr and its exit code.
+becomes one line on stderr and its exit code; every warning of rltune's own categories becomes one
+``rltune: warning: ...`` line, whichever command or module raised it.
 
-Exit codes: 0 done (a trial: kept); 2 bad input (a file, field or option rltune cannot use; the
-line names it and the fix); 3 a trial was rejected (a limit failed); 4 the job itself failed
-(crashed, timed out, or measured nothing); 130 interrupted.
+Exit codes: README.md's "Exit codes" table is the one source (tests/cli/test_exit_codes.py checks
+every command against it).
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 
 import typer
 
@@ -38,6 +39,24 @@ for _name in COMMANDS:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; return the process exit code."""
+    with warnings.catch_warnings():  # restored on return: main() is also called in-process (tests)
+        warnings.showwarning = _warning_printer(warnings.showwarning)
+        return _run(argv)
+
+
+def _warning_printer(fallback):
+    """``warnings.showwarning`` that gives rltune's own warnings the one ``rltune: warning:`` form."""
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if category.__module__.split(".")[0] == "rltune":
+            print(f"rltune: warning: {message}", file=sys.stderr)
+        else:
+            fallback(message, category, filename, lineno, file, line)
+
+    return show
+
+
+def _run(argv: list[str] | None) -> int:
     try:
         # Outside standalone mode click returns the code of a typer.Exit instead of raising it.
         code = app(args=argv, prog_name="rltune", standalone_mode=False)

@@ -19,6 +19,7 @@ auto make one); --new-library starts one.
 
 Example:
 
+\b
   rltune predict candidates.yaml --library cases/ --out forecast.yaml
 """
 
@@ -48,6 +49,7 @@ def register(app: typer.Typer) -> None:
         from rltune.contracts.candidates import load_candidates
         from rltune.contracts.forecast import save_forecast
         from rltune.contracts.job import load_job
+        from rltune.contracts.outputs import check_output
         from rltune.predict.forecast import forecast_candidates
         from rltune.predict.library import (
             CaseLibrary,
@@ -56,9 +58,14 @@ def register(app: typer.Typer) -> None:
             record_baseline,
         )
 
+        check_output(library, inputs=[candidates, job], expect="dir", flag="--library")
+        if out is not None:
+            check_output(out, inputs=[candidates, job, library])
         cands = load_candidates(candidates)
         job_path = job or _resolve_job(candidates, cands.job)
         job_spec = load_job(job_path)
+        if out is not None:
+            check_output(out, inputs=[job_path])
         if not library.is_dir():
             if not new_library:
                 raise LibraryMissingError(f"--library {library}: no such case library; point it at the one 'rltune profile "
@@ -66,12 +73,10 @@ def register(app: typer.Typer) -> None:
             library.mkdir(parents=True)
         lib = CaseLibrary(library)
         recorded = record_baseline(lib, cands, job_spec)
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings():  # every skipped case is told (rltune.cli.main formats the lines)
             warnings.simplefilter("always", CorruptCaseWarning)
             result = forecast_candidates(job_spec, cands, lib, job_path=str(job_path), candidates_file=str(candidates),
                                          library_path=str(library))
-        for w in caught:
-            print(f"rltune: warning: {w.message}", file=sys.stderr)
         if recorded:
             print(f"rltune: recorded the baseline run {cands.baseline_run} as a case in {library}", file=sys.stderr)
         if out is not None:
@@ -97,13 +102,16 @@ def _print_table(result, min_gain: float) -> None:
 
     hidden = max(len(result.forecasts) - TABLE_ROWS, 0)
     more = f"; {hidden} slower ones not shown" if hidden else ""
-    table = Table(title=f"forecast against baseline {result.baseline_run or ''} {result.baseline_step_s:.3f} s "
-                        f"({result.baseline_method}); worth a trial: >= {min_gain:g} % faster (*) or its range reaches it "
-                        f"(~){more}")
+    console = Console(stderr=True)
+    # on plain lines, not a table title: rich would wrap the baseline's run id inside the title
+    console.print(f"forecast against baseline {result.baseline_run or ''} {result.baseline_step_s:.3f} s "
+                  f"({result.baseline_method}); worth a trial: >= {min_gain:g} % faster (*) or its range reaches it "
+                  f"(~){more}", markup=False, highlight=False, soft_wrap=True)
+    table = Table()
     for col in ("", "candidate", "step s", "range s", "gain %", "limited by", "method", "uncertain"):
         table.add_column(col)
     for f in result.forecasts[:TABLE_ROWS]:
         mark = {"point": "*", "range": "~"}.get(f.worth, "")
         table.add_row(mark, f.candidate, f"{f.step_s:.3f}", f"{f.range_s[0]:.3f}-{f.range_s[1]:.3f}",
                       f"{f.gain_pct:+.1f}", f.limiting_stage, f.method, ", ".join(f.uncertain))
-    Console(stderr=True).print(table)
+    console.print(table)

@@ -21,6 +21,7 @@ ms-swift, AReaL, vLLM /metrics or the reference workload without running anythin
 
 Example:
 
+\b
   rltune profile presets/cpu-demo.yaml --steps 6
   rltune profile job.yaml --set micro_batch_size=8 --out runs/mbs8
   rltune profile job.yaml --vllm-metrics http://127.0.0.1:8000/metrics
@@ -32,26 +33,6 @@ FORMAT_CHOICES = ("auto", "rltune", "verl", "prime-rl", "slime", "openrlhf", "tr
 SUMMARY_COLUMNS = ("step_s", "rollout_s", "training_s", "old_logprob_s", "weight_sync_s", "wait_s",
                    "engine_queue_s", "engine_prefill_s", "engine_decode_s", "sandbox_setup_s", "sandbox_exec_s",
                    "trainer_busy_frac", "padding_frac", "kv_cache_usage", "reward")
-
-
-def _parse_sets(values: list[str]) -> dict:
-    import yaml
-
-    from rltune.errors import RltuneError
-
-    out = {}
-    for item in values:
-        knob, sep, raw = item.partition("=")
-        if not sep or not knob.strip():
-            raise RltuneError(f"--set {item!r}: expected knob=value, e.g. --set micro_batch_size=8")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            value = raw
-        if not isinstance(value, (int, float, str, bool)):
-            value = raw
-        out[knob.strip()] = value
-    return out
 
 
 def _print_summary(diagnosis, report, run_dir: Path, warnings: list[str]) -> None:
@@ -67,9 +48,12 @@ def _print_summary(diagnosis, report, run_dir: Path, warnings: list[str]) -> Non
         # Warnings quote log text ('trainer.logger=[console]'); rich must not read it as markup.
         console.print(f"[yellow]warning:[/] {escape(line)}")
     if diagnosis is None:
-        console.print(f"stage table written to {run_dir}")
+        console.print(f"stage table written to {run_dir}", markup=False, highlight=False, soft_wrap=True)
         return
-    table = Table(title=f"run {diagnosis.run_id} ({diagnosis.rl_mode}, {len(diagnosis.steps_used)} steps)")
+    # the run id and paths go on plain lines: inside a table title rich would wrap them mid-word
+    console.print(f"run {diagnosis.run_id} ({diagnosis.rl_mode}, {len(diagnosis.steps_used)} steps)", markup=False,
+                  highlight=False)
+    table = Table()
     for name in ("column", "median", "p10", "p90"):
         table.add_column(name, justify="left" if name == "column" else "right")
     for column in SUMMARY_COLUMNS:
@@ -91,7 +75,7 @@ def _print_summary(diagnosis, report, run_dir: Path, warnings: list[str]) -> Non
         console.print(problems)
     else:
         console.print("no problems found by the detectors")
-    console.print(f"written: {run_dir}")
+    console.print(f"written: {run_dir}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _summary_json(diagnosis, report, run_dir: Path, warnings: list[str]) -> str:
@@ -123,24 +107,43 @@ def register(app: typer.Typer) -> None:
     @app.command(name="profile", help=HELP)
     def profile_cmd(
         job: Optional[Path] = typer.Argument(None, help="job.yaml to run (omit with --from-logs)"),  # noqa: UP045 (typer)
-        steps: Optional[int] = typer.Option(None, "--steps", min=1, help="steps to run (default: the job's limits.steps)"),  # noqa: UP045
-        out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/<new id>)"),  # noqa: UP045
+        steps: Optional[int] = typer.Option(None, "--steps", help="steps to run, 1 to 1000000 (default: the job's limits.steps)"),  # noqa: UP045
+        out: Optional[Path] = typer.Option(None, "--out", help="run directory (default: runs/<new id>); refused if it holds another run"),  # noqa: UP045
+        force: bool = typer.Option(False, "--force", help="let --out replace the run already in that directory"),
         sets: list[str] = typer.Option([], "--set", help="knob=value override of an abstract knob (repeatable)"),
         library: Optional[Path] = typer.Option(None, "--library", help="record the run as a case in this case library (created if absent)"),  # noqa: UP045
         from_logs: Optional[Path] = typer.Option(None, "--from-logs", help="read this log file or folder instead of running"),  # noqa: UP045
-        log_format: str = typer.Option("auto", "--format", help="log format: " + ", ".join(FORMAT_CHOICES)),
-        rl_mode: Optional[str] = typer.Option(None, "--rl-mode", help="sync | one_step_async | fully_async (default: from the log, else sync)"),  # noqa: UP045
+        log_format: Optional[str] = typer.Option(None, "--format", help="with --from-logs: log format: " + ", ".join(FORMAT_CHOICES) + " (default auto)"),  # noqa: UP045
+        rl_mode: Optional[str] = typer.Option(None, "--rl-mode", help="with --from-logs: sync | one_step_async | fully_async (default: from the log, else sync)"),  # noqa: UP045
         run_id: Optional[str] = typer.Option(None, "--run-id", help="with --from-logs: the run to diagnose when the logs hold several"),  # noqa: UP045
-        warmup: int = typer.Option(1, "--warmup", min=0, help="with --from-logs: first steps marked warm-up and left out of medians"),
+        warmup: Optional[int] = typer.Option(None, "--warmup", help="with --from-logs: first steps marked warm-up and left out of medians (default 1)"),  # noqa: UP045
         as_json: bool = typer.Option(False, "--json", help="print a machine-readable summary on stdout"),
         vllm_metrics: Optional[str] = typer.Option(None, "--vllm-metrics", help="a vLLM /metrics URL to scrape once per step while the job runs; its engine figures fill the engine columns the job's own metrics leave empty (sets the job's metrics.vllm_metrics_url)"),  # noqa: UP045
     ) -> None:
+        from rltune.cli.options import check_at_least, check_steps, parse_sets, refuse_unused
+        from rltune.contracts.outputs import check_output
         from rltune.errors import RltuneError
 
         if (job is None) == (from_logs is None):
             raise RltuneError("give either JOB.yaml or --from-logs PATH (not both); see 'rltune profile --help'")
+        if from_logs is None:
+            mode = "without --from-logs (it applies to reading logs)"
+            refuse_unused("--warmup", warmup is not None, mode)
+            refuse_unused("--run-id", run_id is not None, mode)
+            refuse_unused("--format", log_format is not None, mode)
+            refuse_unused("--rl-mode", rl_mode is not None, mode)
+        else:
+            mode = "with --from-logs (nothing runs; the log has the steps it has)"
+            refuse_unused("--steps", steps is not None, mode)
+            refuse_unused("--set", bool(sets), "with --from-logs (nothing runs, so no knob can change)")
+            if library is not None:
+                raise RltuneError("--library records runs rltune launched; a log read with --from-logs has no job.yaml "
+                                  "to make a case from")
+        log_format = log_format or "auto"
         if log_format not in FORMAT_CHOICES:
             raise RltuneError(f"--format {log_format!r}: expected one of {', '.join(FORMAT_CHOICES)}")
+        check_steps(steps)
+        check_at_least(warmup, 0, "--warmup", "the warm-up step count")
         if vllm_metrics is not None:
             if from_logs is not None:
                 raise RltuneError("--vllm-metrics scrapes a live engine while rltune runs the job; a log read with "
@@ -149,13 +152,17 @@ def register(app: typer.Typer) -> None:
             if not vllm_metrics.startswith(("http://", "https://")):
                 raise RltuneError(f"--vllm-metrics {vllm_metrics!r}: expected an http(s) URL, e.g. "
                                   "http://127.0.0.1:8000/metrics")
+        source = job if job is not None else from_logs
+        if out is not None:
+            check_output(out, inputs=[source], expect="run_dir", force=force,
+                         writes=("stages.parquet", "diagnosis.yaml", "job.yaml", "launch.log", "launch.json",
+                                 "parse_report.json"))
+        if library is not None:
+            check_output(library, inputs=[source], expect="dir", flag="--library")
         if job is not None:
-            run = _run_job(job, steps, out, _parse_sets(sets), library, vllm_metrics)
+            run = _run_job(job, steps, out, parse_sets(sets), library, vllm_metrics)
         else:
-            if library is not None:
-                raise RltuneError("--library records runs rltune launched; a log read with --from-logs has no job.yaml "
-                                  "to make a case from")
-            run = _from_logs(from_logs, log_format, rl_mode, run_id, warmup, out)
+            run = _from_logs(from_logs, log_format, rl_mode, run_id, 1 if warmup is None else warmup, out)
         if as_json:
             print(_summary_json(run.diagnosis, run.report if from_logs else None, run.run_dir, run.warnings))
         _print_summary(run.diagnosis, run.report if from_logs else None, run.run_dir, run.warnings)
@@ -164,11 +171,13 @@ def register(app: typer.Typer) -> None:
 def _run_job(job_path: Path, steps, out, overrides: dict, library: Path | None, vllm_metrics: str | None = None):
     import sys
 
+    from rltune.cli.options import check_set_types
     from rltune.contracts.job import load_job
     from rltune.launch import new_run_dir
     from rltune.profile import profile_job
 
     job = load_job(job_path)
+    check_set_types(job, overrides, str(job_path))
     if vllm_metrics is not None:
         job.metrics.vllm_metrics_url = vllm_metrics  # recorded in the run's resolved job.yaml
     run_dir = out if out is not None else new_run_dir(job.name)

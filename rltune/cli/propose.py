@@ -14,6 +14,7 @@ are read from the run directory's resolved job.yaml when there is one.
 
 Example:
 
+\b
   rltune propose runs/base/diagnosis.yaml --job job.yaml --out candidates.yaml
 """
 
@@ -26,28 +27,31 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(None, "--out", help="where to write candidates.yaml (default: beside the diagnosis)"),
         knowledge: Path = typer.Option(None, "--knowledge", help="knowledge base (default presets/knowledge.yaml)"),
         untuned: Path = typer.Option(None, "--untuned", help="run directory of the untuned baseline (default: this baseline)"),
-        max_candidates: int = typer.Option(12, "--max", help="keep at most this many setups"),
+        max_candidates: int = typer.Option(12, "--max", help="keep at most this many setups (at least 1)"),
         allow_needs: bool = typer.Option(False, "--allow-needs", help="also propose fixes that need hardware beyond the budget"),
         as_json: bool = typer.Option(False, "--json", help="print a machine-readable summary on stdout"),
     ) -> None:
         import json
 
+        from rltune.cli.options import check_at_least
         from rltune.contracts.candidates import save_candidates
         from rltune.contracts.diagnosis import load_diagnosis
         from rltune.contracts.job import load_job
+        from rltune.contracts.outputs import check_output
         from rltune.tune.knowledge import load_default_knowledge
         from rltune.tune.propose import propose
 
+        check_at_least(max_candidates, 1, "--max", "the number of setups to keep")
+        run_dir = diagnosis.resolve().parent
+        target = check_output(out or run_dir / "candidates.yaml", inputs=[diagnosis, job, knowledge, untuned])
         spec = load_job(job)
         found = load_diagnosis(diagnosis)
-        run_dir = diagnosis.resolve().parent
         knobs = dict(spec.knobs)
         if (run_dir / "job.yaml").exists():
             knobs.update(load_job(run_dir / "job.yaml").knobs)
         result = propose(found, spec, load_default_knowledge(knowledge), knobs=knobs, job_path=str(job),
                          max_candidates=max_candidates, allow_needs=allow_needs, baseline_dir=str(run_dir),
                          untuned_dir=str(untuned.resolve()) if untuned else None)
-        target = out or run_dir / "candidates.yaml"
         save_candidates(result, target)
         _show(result)
         if as_json:

@@ -13,6 +13,7 @@ GPU-seconds per step, with plots embedded: it opens in a browser with no network
 
 Example:
 
+\b
   rltune report runs/tune
 """
 
@@ -23,6 +24,8 @@ def register(app: typer.Typer) -> None:
         run_dir: Path = typer.Argument(..., help="the --workdir of an 'rltune auto' run"),
         out: Path = typer.Option(None, "--out", help="where to write the page (default RUN_DIR/report.html)"),
     ) -> None:
+        from rltune.contracts.outputs import check_output
         from rltune.tune.report import build_report
 
+        check_output(out if out is not None else run_dir / "report.html", inputs=[run_dir])
         typer.echo(str(build_report(run_dir, out)))

@@ -30,6 +30,7 @@ Exit code: 0 pass, 3 fail, 4 a job failed (crashed, timed out or reported no rew
 
 Example:
 
+\b
   rltune reward-check runs/demo/tuned/tiny-math-cpu.yaml --against presets/cpu-math-learn.yaml --steps 300
 """
 
@@ -39,7 +40,7 @@ def register(app: typer.Typer) -> None:
     def reward_check_cmd(
         tuned: Path = typer.Argument(..., help="tuned job.yaml (e.g. the preset 'rltune auto' wrote)"),
         against: Path = typer.Option(..., "--against", help="untuned job.yaml; every run goes through its launch"),
-        steps: int = typer.Option(..., "--steps", help="steps of every run"),
+        steps: int = typer.Option(..., "--steps", help="steps of every run, 1 to 1000000"),
         seeds: int = typer.Option(2, "--seeds", help="untuned seeds the band is measured from (at least 2)"),
         window: int = typer.Option(None, "--window", help="moving-average window in steps (default steps / 10, at least 2)"),
         out: Path = typer.Option(None, "--out", help="output directory (default runs/reward-check/<time>-<tuned name>)"),
@@ -48,7 +49,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         import json
 
+        from rltune.cli.options import check_steps
         from rltune.contracts.job import load_job
+        from rltune.contracts.outputs import check_output
         from rltune.tune.reward_check import (
             RewardCheckInputError,
             kept_changes,
@@ -56,6 +59,9 @@ def register(app: typer.Typer) -> None:
             run_reward_check,
         )
 
+        check_steps(steps)
+        if out is not None:
+            check_output(out, inputs=[tuned, against, journal], expect="dir", writes=("reward_check.yaml",))
         plan = plan_reward_check(against, steps, seeds, window)
         tuned_job = load_job(tuned)
         changes = None

@@ -17,8 +17,8 @@ config.yaml go under --out.
 
 Example:
 
+\b
   rltune sync-bench --preset cpu
-
   rltune sync-bench --preset h200 --out runs/sync-h200 --transports filesystem,sparse,nccl
 
 Many readers (--readers N,...): N engine-reader processes prefetch and apply the same steps from one
@@ -26,12 +26,14 @@ store directory (local disk, or a tmpfs with --storage shm) while a writer publi
 + decode time, aggregate GB/s and the writer's publish time against N, every reader verified bit
 for bit. Presets: presets/sync/readers/<name>.yaml (ci, cpu, cpu-overlap); sync-readers.json goes under --out.
 
+\b
   rltune sync-bench --readers 1,2,4 --preset ci --storage disk,shm
 
 Cost model (--estimate MODEL.yaml): per-step trainer-blocking publish, engine read while serving,
 dispatch-blocking update, anchor cost and storage bandwidth for a model and layout, projected from
 the rates measured on this CPU and the H200 (rltune/sync/data/rates.yaml), each with its range.
 
+\b
   rltune sync-bench --estimate presets/sync/estimate/qwen3-235b-a22b.yaml
 """
 
@@ -40,11 +42,11 @@ def register(app: typer.Typer) -> None:
     @app.command(name="sync-bench", help=HELP)
     def sync_bench_cmd(
         preset: str = typer.Option("cpu", help="presets/sync/<name>.yaml (cpu, h200) or a YAML path"),
-        out: Path = typer.Option(Path("runs/sync-bench"), help="directory for the Parquet, JSON record and config"),
-        steps: int | None = typer.Option(None, min=1, help="measured steps (overrides the preset)"),
+        out: Path | None = typer.Option(None, help="directory for the Parquet, JSON record and config (default runs/sync-bench)"),
+        steps: int | None = typer.Option(None, help="measured steps, 1 to 1000000 (overrides the preset)"),
         warmup_steps: int | None = typer.Option(None, min=0, help="warm-up steps left out of the summary"),
         transports: str | None = typer.Option(None, help="comma list of filesystem,inprocess,sparse,nccl"),
-        device: str | None = typer.Option(None, help="auto, cpu or cuda (overrides the preset)"),
+        device: str | None = typer.Option(None, help="auto, cpu or cuda (overrides the preset; cuda needs a GPU torch sees)"),
         json_out: bool = typer.Option(False, "--json", help="print the JSON record on stdout"),
         quiet: bool = typer.Option(False, help="no per-step progress lines"),
         readers: str | None = typer.Option(
@@ -57,12 +59,29 @@ def register(app: typer.Typer) -> None:
         import json
         import sys
 
+        from rltune.cli.options import check_steps, parse_list, refuse_unused
+        from rltune.contracts.outputs import check_output
+
         if estimate is not None:
+            mode = "with --estimate (it runs nothing and writes nothing)"
+            for flag, value in (("--out", out), ("--steps", steps), ("--warmup-steps", warmup_steps),
+                                ("--transports", transports), ("--device", device), ("--readers", readers),
+                                ("--storage", storage)):
+                refuse_unused(flag, value is not None, mode)
             _estimate(estimate, json_out)
             return
+        check_steps(steps)
+        out = check_output(out if out is not None else Path("runs/sync-bench"), inputs=[Path(preset)], expect="dir",
+                           writes=("config.yaml", "sync-bench.json", "sync-bench.parquet", "sync-readers.json"))
         if readers is not None or storage is not None:
+            mode = "in many-readers mode (--readers/--storage: readers run on the CPU, one transport)"
+            refuse_unused("--transports", transports is not None, mode)
+            refuse_unused("--device", device is not None, mode)
             _readers(preset, out, readers, storage, steps, warmup_steps, json_out, quiet)
             return
+        chosen = parse_list("--transports", transports, example="filesystem,sparse") if transports is not None else None
+        if device is not None:
+            _check_device(device)
 
         from rich.console import Console
 
@@ -77,7 +96,6 @@ def register(app: typer.Typer) -> None:
 
         console = Console(stderr=True, width=max(Console(stderr=True).width, 110))
         cfg = load_sync_bench_config(resolve_preset(preset))
-        chosen = [t.strip() for t in transports.split(",") if t.strip()] if transports else None
         cfg = with_overrides(cfg, steps=steps, warmup_steps=warmup_steps, transports=chosen, device=device)
         progress = None if quiet else (lambda msg: console.print(f"[dim]{msg}[/dim]", highlight=False))
         result = run_sync_bench(cfg, out, progress=progress)
@@ -114,16 +132,17 @@ def _print_table(console, lines: list[dict[str, str]], title: str, caption: str)
     console.print(table)
 
 
-def _int_list(option: str, text: str) -> list[int]:
-    from rltune.sync.bench.readers import ReadersBenchError
+def _check_device(device: str) -> None:
+    """--device is one torch can run on here: a bench asked for the GPU never runs on the CPU instead."""
+    from rltune.cli.options import OptionError
 
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ReadersBenchError(f"{option} {text!r}: give a comma list of integers, e.g. 1,2,4") from None
-    if not values:
-        raise ReadersBenchError(f"{option} {text!r}: give at least one integer")
-    return values
+    if device not in ("auto", "cpu", "cuda"):
+        raise OptionError(f"--device {device!r}: choose auto, cpu or cuda")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise OptionError("--device cuda: torch sees no GPU here; use --device cpu (or auto)")
 
 
 def _readers(preset: str, out: Path, readers: str | None, storage: str | None, steps: int | None,
@@ -133,6 +152,7 @@ def _readers(preset: str, out: Path, readers: str | None, storage: str | None, s
 
     from rich.console import Console
 
+    from rltune.cli.options import parse_int_list, parse_list
     from rltune.sync.bench.readers import (
         ReadersBenchError,
         load_readers_config,
@@ -144,10 +164,9 @@ def _readers(preset: str, out: Path, readers: str | None, storage: str | None, s
 
     console = Console(stderr=True, width=max(Console(stderr=True).width, 130))
     cfg = load_readers_config(resolve_readers_preset(preset))
-    chosen = [s.strip() for s in storage.split(",") if s.strip()] if storage else None
-    if chosen is not None and any(s not in ("disk", "shm") for s in chosen):
-        raise ReadersBenchError(f"--storage {storage!r}: choose from disk, shm (comma list)")
-    cfg = readers_with_overrides(cfg, readers=_int_list("--readers", readers) if readers else None, storage=chosen,
+    chosen = parse_list("--storage", storage, choices=("disk", "shm")) if storage is not None else None
+    counts = parse_int_list("--readers", readers, least=0) if readers is not None else None
+    cfg = readers_with_overrides(cfg, readers=counts, storage=chosen,
                                  steps=steps, warmup_steps=warmup_steps)
     progress = None if quiet else (lambda msg: console.print(f"[dim]{msg}[/dim]", highlight=False))
     result = run_readers_bench(cfg, out, progress=progress)

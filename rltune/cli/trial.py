@@ -22,6 +22,7 @@ nothing), 2 bad input.
 
 Example:
 
+\b
   rltune trial forecast.yaml --job job.yaml --candidate r1-c2
 """
 
@@ -32,7 +33,7 @@ def register(app: typer.Typer) -> None:
         forecast: Path = typer.Argument(..., help="forecast.yaml from 'rltune predict'"),
         job: Path = typer.Option(..., "--job", help="job.yaml to run"),
         candidate: str = typer.Option(None, "--candidate", help="candidate id (default: the fastest forecast worth a trial)"),
-        steps: int = typer.Option(None, "--steps", help="steps to run (default limits.steps)"),
+        steps: int = typer.Option(None, "--steps", help="steps to run, 1 to 1000000 (default limits.steps)"),
         runs_root: Path = typer.Option(Path("runs"), "--runs-root", help="where the run directory is made"),
         library: Path = typer.Option(None, "--library", help="case library (default: the one the forecast used)"),
         no_remeasure: bool = typer.Option(False, "--no-remeasure", help="decide on one run even when the gain is small"),
@@ -40,9 +41,11 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         import json
 
+        from rltune.cli.options import check_steps
         from rltune.contracts.candidates import load_candidates
         from rltune.contracts.forecast import load_forecast
         from rltune.contracts.job import load_job
+        from rltune.contracts.outputs import check_output
         from rltune.contracts.rundir import VERDICT_NAME, RunDir
         from rltune.errors import RltuneError
         from rltune.launch import new_run_id
@@ -50,6 +53,10 @@ def register(app: typer.Typer) -> None:
         from rltune.tune.limits import measured_noise
         from rltune.tune.trial import Baseline, run_trial
 
+        check_steps(steps)
+        check_output(runs_root, inputs=[forecast, job], expect="dir", flag="--runs-root")
+        if library is not None:
+            check_output(library, inputs=[forecast, job], expect="dir", flag="--library")
         spec = load_job(job)
         predicted = load_forecast(forecast)
         candidates = load_candidates(_beside(forecast, predicted.candidates_file))
@@ -78,8 +85,8 @@ def register(app: typer.Typer) -> None:
         outcome = run_trial(spec, job, pick_fc, baseline_knobs=candidates.baseline_knobs, baseline=baseline,
                             library=lib, run_root=runs_root, run_id=run_id, steps=steps, remeasure=not no_remeasure)
         verdict = outcome.verdict
-        _show(verdict)
         path = Path(runs_root) / run_id / VERDICT_NAME
+        _show(verdict, path)
         if as_json:
             print(json.dumps({"verdict": str(path), "decision": verdict.decision, "step_s": verdict.step_s,
                               "median_s": verdict.median_s, "baseline_step_s": verdict.baseline_step_s,
@@ -112,18 +119,23 @@ def _pick(spec, predicted, candidates, lib):
                 tried=[candidates.baseline_knobs, *[knobs for knobs, _, _ in measured]])
 
 
-def _show(verdict) -> None:
+def _show(verdict, path: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{verdict.candidate}: {verdict.decision.upper()} - {verdict.reason}")
+    console = Console(stderr=True)
+    # the decision, its reason and the path on plain lines: in a table title rich would wrap them mid-word
+    console.print(f"{verdict.candidate}: {verdict.decision.upper()} - {verdict.reason}", markup=False,
+                  highlight=False, soft_wrap=True)
+    console.print(f"verdict: {path}", markup=False, highlight=False, soft_wrap=True)
+    table = Table()
     for name in ("limit", "value", "threshold", "pass"):
         table.add_column(name)
     for check in verdict.limits:
         table.add_row(check.name, "n/a" if check.value is None else f"{check.value:.4g}",
                       "n/a" if check.threshold is None else f"{check.threshold:.4g}",
                       "not measured" if check.passed is None else "yes" if check.passed else "NO")
-    console = Console(stderr=True)
-    console.print(table)
+    if verdict.limits:  # a job that failed has no limit to show
+        console.print(table)
     if verdict.log_tail:
         console.print(verdict.log_tail, markup=False, highlight=False)

@@ -21,6 +21,7 @@ RUN_HELP = """Run the workload and write config.yaml + metrics.jsonl into the ru
 
 Example:
 
+\b
   rltune workload run presets/workload/tiny-math.yaml --steps 5 trainer.packing=true
 """
 
@@ -31,6 +32,7 @@ summary holds what it resolved (max_num_seqs, block_size, ...).
 
 Example:
 
+\b
   rltune workload check presets/workload/small-math.yaml
 """
 
@@ -47,7 +49,7 @@ def register(app: typer.Typer) -> None:
     def run_cmd(
         config: str = typer.Argument(..., help="workload config file (schema_version 1)"),
         overrides: list[str] = typer.Argument(None, help="dotted.key=value overrides"),
-        steps: int = typer.Option(None, "--steps", help="steps to run (default: orchestrator.steps)"),
+        steps: int = typer.Option(None, "--steps", help="steps to run, 1 to 1000000 (default: orchestrator.steps)"),
         run_dir: str = typer.Option(None, "--run-dir", help="output directory (default: runs/workload/<name>-<time>)"),
         as_json: bool = typer.Option(False, "--json", help="print a machine-readable summary on stdout"),
     ) -> None:
@@ -57,12 +59,21 @@ def register(app: typer.Typer) -> None:
         import time
         from pathlib import Path
 
+        from rltune.cli.options import check_steps
+        from rltune.contracts.outputs import check_output, safe_name
         from rltune.workload import run
         from rltune.workload.config import load_workload_config
 
+        check_steps(steps)
+        if run_dir is not None:
+            # Only the kind is checked: rltune's own launchers run the workload again in a run directory
+            # they own (a reward check redoing a run), so another run's files there are not refused here.
+            check_output(run_dir, inputs=[config], expect="dir", flag="--run-dir",
+                         writes=("config.yaml", "metrics.jsonl"))
         cfg = load_workload_config(config, overrides or [])  # fail fast, before any process starts
         if run_dir is None:
-            run_dir = str(Path("runs") / "workload" / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            run_dir = str(Path("runs") / "workload" / f"{safe_name(cfg.name, default='workload')}-{stamp}")
         start = time.perf_counter()
         metrics_path = run(config, run_dir, steps=steps, overrides=list(overrides or []))
         records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]

@@ -26,8 +26,8 @@ DIAGNOSIS_NAME = "diagnosis.yaml"
 VERDICT_NAME = "verdict.yaml"
 PARSE_REPORT_NAME = "parse_report.json"
 
-# The files that make a directory a run's: an output that would land on one of them belongs to that run.
-RUN_FILES = (STAGES_NAME, DIAGNOSIS_NAME, VERDICT_NAME, LAUNCH_NAME, JOB_NAME)
+# The files whose presence makes a directory a recorded run's: no command writes another run into it.
+RUN_MARKERS = (STAGES_NAME, DIAGNOSIS_NAME, VERDICT_NAME, LAUNCH_NAME)
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class RunDir:
 
     def is_run(self) -> bool:
         """Whether a run left any of its files here."""
-        return any((self.path / name).exists() for name in RUN_FILES)
+        return any((self.path / name).exists() for name in RUN_MARKERS)
 
     def has_stages(self) -> bool:
         return self.stages_path.is_file()
@@ -131,5 +131,5 @@ class RunDir:
         return float(value) if isinstance(value, (int, float)) and value >= 0 else 0.0
 
 
-__all__ = ["DIAGNOSIS_NAME", "JOB_NAME", "LAUNCH_NAME", "LOG_NAME", "PARSE_REPORT_NAME", "RUN_FILES", "RunDir",
+__all__ = ["DIAGNOSIS_NAME", "JOB_NAME", "LAUNCH_NAME", "LOG_NAME", "PARSE_REPORT_NAME", "RUN_MARKERS", "RunDir",
            "STAGES_NAME", "VERDICT_NAME"]

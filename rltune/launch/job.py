@@ -66,7 +66,8 @@ def check_steps(steps: int | None, flag: str = "--steps") -> None:
     if steps is None:
         return
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
-        raise LaunchInputError(f"{flag} {steps}: expected a whole number of steps from 1 to {MAX_STEPS:,}")
+        shown = str(steps) if len(str(steps)) <= 24 else str(steps)[:21] + "..."
+        raise LaunchInputError(f"{flag} {shown}: give a step count from 1 to {MAX_STEPS}")
 
 
 def check_launch(job: JobSpec, job_path: Path, overrides: Mapping[str, KnobValue] | None = None,

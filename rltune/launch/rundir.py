@@ -6,17 +6,17 @@ started in the same second apart.
 
 from __future__ import annotations
 
-import re
 import secrets
 import time
 from pathlib import Path
+
+from rltune.contracts.outputs import safe_name
 
 DEFAULT_RUNS_ROOT = Path("runs")
 
 
 def new_run_id(name: str) -> str:
-    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.") or "run"
-    return f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{safe[:48]}-{secrets.token_hex(2)}"
+    return f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{safe_name(name, limit=48)}-{secrets.token_hex(2)}"
 
 
 def new_run_dir(name: str, root: Path = DEFAULT_RUNS_ROOT) -> Path:

@@ -10,12 +10,16 @@ from typing import Any
 import yaml
 
 from rltune.contracts.job import JobSpec, KnobValue, load_job
+from rltune.contracts.outputs import safe_name
 from rltune.contracts.schema import atomic_write_text, to_data
 
 
 def write_tuned_preset(job: JobSpec, job_path: str | Path, knobs: dict[str, KnobValue], out_dir: str | Path,
                        provenance: dict[str, Any]) -> Path:
     """Write ``out_dir/<job name>.yaml`` and return its path.
+
+    The job's name goes through :func:`~rltune.contracts.outputs.safe_name`: a name read from the
+    job file (``../../tmp/x``) can never put the preset outside ``out_dir``.
 
     The launch working directory is rewritten so the preset starts the job from the same directory
     as the original wherever the preset lives. ``provenance`` (untuned and tuned step, speed-up,
@@ -30,7 +34,7 @@ def write_tuned_preset(job: JobSpec, job_path: str | Path, knobs: dict[str, Knob
     header = [f"# Tuned by 'rltune auto' from {job_path}."]
     header += [f"# {key}: {value}" for key, value in provenance.items()]
     body = yaml.safe_dump(to_data(tuned), sort_keys=False, allow_unicode=True, width=100)
-    path = out_dir / f"{job.name}.yaml"
+    path = out_dir / f"{safe_name(job.name, default='job')}.yaml"
     atomic_write_text(path, "\n".join(header) + "\n" + body)
     load_job(path)
     return path

@@ -148,8 +148,8 @@ def test_an_untuned_baseline_that_crashes_exits_4_and_is_recorded_as_failed(tmp_
 
 
 @pytest.mark.parametrize("argv, problem", [
-    (["--steps", "0"], "--steps 0: expected a whole number of steps from 1"),
-    (["--steps", "-1"], "--steps -1: expected a whole number of steps from 1"),
+    (["--steps", "0"], "--steps 0: give a step count from 1"),
+    (["--steps", "-1"], "--steps -1: give a step count from 1"),
     (["--steps", "2"], "--steps 2: a trial is timed on the steps after limits.warmup_steps (2)"),
     (["--steps", "99999999999999999999999"], "steps"),
     (["--job", "{missing_program}"], "launch.command[0]: 'no-such-program-here' is not on PATH"),
