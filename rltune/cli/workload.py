@@ -51,6 +51,7 @@ def register(app: typer.Typer) -> None:
         overrides: list[str] = typer.Argument(None, help="dotted.key=value overrides"),
         steps: int = typer.Option(None, "--steps", help="steps to run, 1 to 1000000 (default: orchestrator.steps)"),
         run_dir: str = typer.Option(None, "--run-dir", help="output directory (default: runs/workload/<name>-<time>)"),
+        force: bool = typer.Option(False, "--force", help="run into a --run-dir that holds another run's metrics"),
         as_json: bool = typer.Option(False, "--json", help="print a machine-readable summary on stdout"),
     ) -> None:
         import json
@@ -66,10 +67,20 @@ def register(app: typer.Typer) -> None:
 
         check_steps(steps)
         if run_dir is not None:
-            # Only the kind is checked: rltune's own launchers run the workload again in a run directory
-            # they own (a reward check redoing a run), so another run's files there are not refused here.
+            import os
+
+            from rltune.launch.job import RUN_DIR_ENV
+
             check_output(run_dir, inputs=[config], expect="dir", flag="--run-dir",
                          writes=("config.yaml", "metrics.jsonl"))
+            # A run dir rltune made for this job (it names it in the environment) is the job's own, whatever
+            # rltune or an earlier attempt left there; any other that already holds a run's metrics is refused.
+            launched_here = os.environ.get(RUN_DIR_ENV) and Path(os.environ[RUN_DIR_ENV]).resolve() == Path(run_dir).resolve()
+            if not (force or launched_here) and (Path(run_dir) / "metrics.jsonl").exists():
+                from rltune.contracts.outputs import OutputPathError
+
+                raise OutputPathError(f"--run-dir {run_dir}: already holds a run's metrics.jsonl; give --run-dir a new "
+                                      f"directory, or add --force to replace that run")
         cfg = load_workload_config(config, overrides or [])  # fail fast, before any process starts
         if run_dir is None:
             stamp = time.strftime("%Y%m%d-%H%M%S")

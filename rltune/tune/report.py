@@ -44,6 +44,12 @@ def _img(data: str, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
 
 
+def _legend(ax: Any, **options: Any) -> None:
+    """A legend where the plot has labelled artists (matplotlib warns on an empty one)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**options)
+
+
 def _table(header: list[str], rows: list[list[Any]]) -> str:
     def cell(value: Any) -> str:
         if isinstance(value, float):
@@ -166,7 +172,7 @@ def _plots(data: dict[str, Any], devices: int) -> list[tuple[str, str, str]]:
     ax.set_xlabel("trial (0 = untuned baseline)")
     ax.set_ylabel("mean step time (s)")
     ax.set_title("Step time per trial: kept (green), rejected (amber), failed (red)")
-    ax.legend(loc="upper right")
+    _legend(ax, loc="upper right")
     out.append(("Step time per round", "step", _png(fig)))
 
     if rounds:
@@ -180,7 +186,7 @@ def _plots(data: dict[str, Any], devices: int) -> list[tuple[str, str, str]]:
         ax.plot(labels, [r["step_s"] for r in rounds], "k_", markersize=30, label="measured step")
         ax.set_ylabel("seconds (stage means)")
         ax.set_title("Stage split of each round's baseline")
-        ax.legend(fontsize=8)
+        _legend(ax, fontsize=8)
         plt.setp(ax.get_xticklabels(), rotation=15, ha="right")
         out.append(("Stage split per round", "stages", _png(fig)))
 
@@ -198,7 +204,7 @@ def _plots(data: dict[str, Any], devices: int) -> list[tuple[str, str, str]]:
         ax.set_xlabel("forecast step (s)")
         ax.set_ylabel("measured step (s)")
         ax.set_title("Forecast vs measured")
-        ax.legend(fontsize=8)
+        _legend(ax, fontsize=8)
         out.append(("Forecast vs measured", "forecast", _png(fig)))
 
     if rounds and devices > 0:
@@ -248,7 +254,7 @@ def _reward_section(workdir: Path, event: dict[str, Any]) -> list[str]:
     ax.set_xlabel("step")
     ax.set_ylabel(f"reward ({w}-step moving average; dots: steps)")
     ax.set_title("Reward: tuned against the untuned seeds' band")
-    ax.legend(fontsize=7, loc="lower right")
+    _legend(ax, fontsize=7, loc="lower right")
     parts.append(_img(_png(fig), "reward curves"))
     rows = [[r.run_id, r.role, r.seed, r.first_window_mean, r.final_window_mean, r.max_deviation, r.gap_mean,
              r.sample_age_mean, r.status] for r in check.runs]

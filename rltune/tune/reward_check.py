@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rltune.contracts.job import JobSpec, KnobValue, load_job
+from rltune.contracts.outputs import safe_name
 from rltune.contracts.reward_check import (
     REWARD_CHECK_NAME,
     REWARD_CHECK_SCHEMA_VERSION,
@@ -477,7 +478,7 @@ def run_reward_check(tuned: str | Path, plan: RewardCheckPlan, out_dir: str | Pa
                 # A change kept as a bundle: which of its knobs is it? Undo each alone.
                 for knob, value in change.reverted.items():
                     attribution.append(undo(f"{change.label}: {knob}", {knob: value},
-                                            f"without-{number}-{knob}-s{plan.seeds[0]}"))
+                                            f"without-{number}-{safe_name(knob)}-s{plan.seeds[0]}"))
                     if attribution[-1].passed:
                         blamed.append(f"{change.label}: {knob}")
         if changes and not blamed:
