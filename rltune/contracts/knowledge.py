@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rltune.contracts.job import KnobValue
-from rltune.contracts.schema import FieldProblem, dump_yaml, field, load_yaml
+from rltune.contracts.schema import FieldProblem, dump_yaml, field, load_yaml, parse_yaml
+from rltune.errors import DuplicateKeyError
 
 KNOWLEDGE_SCHEMA_VERSION = 1
 
@@ -61,8 +62,8 @@ def parse_condition(text: str) -> Condition:
         raise ValueError(f"cannot read condition {text!r}; write 'NAME OP VALUE', OP one of == != < <= > >= in")
     name, op, raw = match.groups()
     try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError:
+        value = parse_yaml(raw, "condition")
+    except (yaml.YAMLError, DuplicateKeyError):
         raise ValueError(f"cannot read the value of condition {text!r}") from None
     if op == "in" and not isinstance(value, list):
         raise ValueError(f"condition {text!r}: 'in' needs a list, e.g. [a, b]")
