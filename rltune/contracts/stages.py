@@ -187,7 +187,7 @@ def _check_values(table: pa.Table, path: str) -> None:
 
     for column in (*TIME_COLUMNS, *NONNEGATIVE_COLUMNS):
         values = table.column(column)
-        bad = pc.or_(pc.is_nan(values), pc.less(values, 0.0))
+        bad = pc.or_(pc.or_(pc.is_nan(values), pc.is_inf(values)), pc.less(values, 0.0))
         if column in TIME_COLUMNS:
             bad = pc.or_(bad, pc.greater(values, MAX_STAGE_S))
         if not pc.any(bad).as_py():
