@@ -39,7 +39,7 @@ class Candidates:
     job: str = field(doc="path of the job.yaml the candidates apply to")
     baseline_run: str = field(doc="run id of the profiled baseline")
     baseline_knobs: dict[str, KnobValue] = field(doc="knob values of the baseline")
-    limiting_stage: StageGroup | Literal["unknown"] = field(doc="bottleneck the candidates target ('unknown': the diagnosis could not tell)")
+    limiting_stage: Literal[StageGroup, "unknown"] = field(doc="bottleneck the candidates target ('unknown': the diagnosis could not tell)")
     candidates: list[Candidate] = field(doc="composed setups")
     next_stage: StageGroup | None = field(None, doc="stage expected to limit the step once the bottleneck is fixed")
     baseline_dir: str | None = field(None, doc="run directory of the baseline (its stages.parquet times the trial's comparison)")

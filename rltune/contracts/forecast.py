@@ -74,7 +74,7 @@ class Forecast:
     baseline_run: str | None = field(None, doc="run id of the baseline the forecasts compare against")
     baseline_method: str = field("", doc="how baseline_step_s was made: 'measured' (the baseline's own case), else anchor / similar / theory")
     baseline_stages_s: dict[str, float] = field(default_factory=dict, doc="the baseline's stage seconds, as forecast beside the candidates")
-    limiting_stage: StageGroup | Literal["unknown", ""] = field("", doc="the stage group that limits the baseline's step (from its diagnosis)")
+    limiting_stage: Literal[StageGroup, "unknown", ""] = field("", doc="the stage group that limits the baseline's step (from its diagnosis)")
     gate_pct: float = field(0.0, doc="limits.min_forecast_gain_pct: the gain a forecast (or its range) must reach", min=0, max=100)
     job_name: str | None = field(None, doc="name of the job the forecasts were made for; 'rltune trial' refuses the file with another job")
 

@@ -103,12 +103,10 @@ class KnobInfo:
                     raise FieldProblem(bound, f"an int knob's {bound} is a whole number, found {value:g}")
         for i, choice in enumerate(self.choices or ()):
             if not _is_type(choice, self.type):
-                raise FieldProblem(f"choices[{i}]", f"expected a {self.type} value, found {choice!r}")
-            if numeric and not self.in_range(choice):
-                raise FieldProblem(f"choices[{i}]", f"{choice!r} lies outside [min, max]")
-
-    def in_range(self, value: float) -> bool:
-        return (self.min is None or value >= self.min) and (self.max is None or value <= self.max)
+                raise FieldProblem(f"choices[{i}]", f"expected {'an' if self.type == 'int' else 'a'} {self.type} value, "
+                                                    f"found {choice!r}")
+            if numeric and ((self.min is not None and choice < self.min) or (self.max is not None and choice > self.max)):
+                raise FieldProblem(f"choices[{i}]", f"{choice!r} lies outside the knob's min and max")
 
 
 def _is_type(value: KnobValue, kind: str) -> bool:
@@ -187,11 +185,14 @@ class Knowledge:
                                           "zero; give a literal value instead")
             return
         if not _is_type(value, info.type):
-            raise FieldProblem(where, f"expected a {info.type} value (or '*2', '/2', '+1', '-1'), found {value!r}")
+            raise FieldProblem(where, f"expected {'an' if info.type == 'int' else 'a'} {info.type} value "
+                                      f"(or '*2', '/2', '+1', '-1'), found {value!r}")
         if info.choices is not None and value not in info.choices:
             raise FieldProblem(where, f"expected one of {info.choices}, found {value!r}")
-        if info.type in ("int", "float") and not info.in_range(value):
-            raise FieldProblem(where, f"{value!r} lies outside the knob's range [{info.min}, {info.max}]")
+        if info.type in ("int", "float") and info.min is not None and value < info.min:
+            raise FieldProblem(where, f"{value!r} is below the knob's min ({info.min:g})")
+        if info.type in ("int", "float") and info.max is not None and value > info.max:
+            raise FieldProblem(where, f"{value!r} is above the knob's max ({info.max:g})")
 
     def fix(self, fix_id: str) -> Fix:
         for f in self.fixes:

@@ -175,9 +175,16 @@ def _check_bounds(value: float, file: str, path: str, meta: dict | None) -> None
         return
     lo, hi = meta.get("min"), meta.get("max")
     if lo is not None and value < lo:
-        raise WrongTypeError(file, path, f"expected a value >= {lo}, found {value!r}")
+        raise WrongTypeError(file, path, f"expected a value >= {_number(lo)}, found {_number(value)}")
     if hi is not None and value > hi:
-        raise WrongTypeError(file, path, f"expected a value <= {hi}, found {value!r}")
+        raise WrongTypeError(file, path, f"expected a value <= {_number(hi)}, found {_number(value)}")
+
+
+def _number(value: float) -> str:
+    """A bound or value as a person writes it: 10000, 0.05, 1e+15 (not 1000000000000000.0)."""
+    if isinstance(value, int):
+        return str(value) if abs(value) < 10**12 else f"{value:g}"
+    return f"{value:g}" if abs(value) >= 1e6 or 0 < abs(value) < 1e-4 else repr(value)
 
 
 def _build(cls: type[T], data: Any, file: str, path: str) -> T:
