@@ -431,8 +431,20 @@ def dump_yaml(obj: Any, path: str | os.PathLike) -> None:
     atomic_write_text(path, yaml.safe_dump(to_data(obj), sort_keys=False, allow_unicode=True, width=100))
 
 
+def _range_text(meta: Any) -> str:
+    """', 1 to 10000' / ', >= 0' / ', <= 100' for a field with bounds, else ''."""
+    lo, hi = meta.get("min"), meta.get("max")
+    if lo is not None and hi is not None:
+        return f", {_number(lo)} to {_number(hi)}"
+    if lo is not None:
+        return f", >= {_number(lo)}"
+    if hi is not None:
+        return f", <= {_number(hi)}"
+    return ""
+
+
 def field_docs(cls: type) -> list[tuple[str, str, str]]:
-    """(dotted name, type, doc) for every field of ``cls`` and its nested dataclasses."""
+    """(dotted name, type and range, doc) for every field of ``cls`` and its nested dataclasses."""
     rows: list[tuple[str, str, str]] = []
     hints = get_type_hints(cls)
 
@@ -453,7 +465,7 @@ def field_docs(cls: type) -> list[tuple[str, str, str]]:
 
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        rows.append((f.name, _type_name(tp), f.metadata.get("doc", "")))
+        rows.append((f.name, _type_name(tp) + _range_text(f.metadata), f.metadata.get("doc", "")))
         sub = nested(tp)
         if sub is not None:
             suffix = "[]" if get_origin(tp) is list else ("{}" if get_origin(tp) is dict else "")
