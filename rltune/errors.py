@@ -52,3 +52,37 @@ class LaunchError(RltuneError):
 
 class LogFormatError(RltuneError):
     """A framework log could not be read as the format asked for (or any format, with auto)."""
+
+
+class DuplicateKeyError(MalformedFileError):
+    """A YAML mapping names the same key twice; YAML would silently keep the last one.
+
+    The message reads ``<file>: line <n>: <dotted.field>: duplicate key (the first is on line <m>); keep one``.
+    """
+
+    def __init__(self, file: str, field: str, problem: str, line: int | None = None):
+        super().__init__(file, field, problem)
+        self.line = line
+        if line is not None:
+            self.args = (f"{self.file}: line {line}: {field}: {problem}",)
+
+
+class WrongArtifactError(ArtifactError):
+    """The file is an rltune artifact of another kind (a diagnosis given where candidates are expected)."""
+
+
+class OtherJobError(ArtifactError):
+    """The file was made for another job than the one the command was given."""
+
+
+class MeasurementError(ArtifactError):
+    """A measured value in a log or stage table is impossible: a negative, infinite or absurd time.
+
+    The message reads ``<file>: step <n>: <column>: <what is wrong>``.
+    """
+
+    def __init__(self, file: str, step: int | None, column: str, problem: str):
+        super().__init__(file, column, problem)
+        self.step = step
+        if step is not None:
+            self.args = (f"{self.file}: step {step}: {column}: {problem}",)

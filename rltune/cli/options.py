@@ -63,48 +63,25 @@ def parse_int_list(flag: str, text: str, least: int = 0) -> list[int]:
     return values
 
 
-def parse_sets(values: list[str], flag: str = "--set") -> dict[str, Any]:
-    """``knob=value`` pairs (value read as YAML scalar); a knob given twice is refused."""
+def parse_sets(values: list[str], flag: str = "--set") -> list[tuple[str, Any]]:
+    """``knob=value`` pairs in the order given, each value read as a YAML scalar.
+
+    The pairs, not a mapping: a knob given twice must reach
+    :func:`rltune.contracts.job.check_knob_overrides`, which refuses it, instead of the last one winning.
+    """
     import yaml
 
-    out: dict[str, Any] = {}
-    given: dict[str, str] = {}
+    out: list[tuple[str, Any]] = []
     for item in values:
         knob, sep, raw = item.partition("=")
         knob = knob.strip()
         if not sep or not knob:
             raise OptionError(f"{flag} {item!r}: expected knob=value, e.g. {flag} micro_batch_size=8")
-        if knob in out:
-            raise OptionError(f"{flag} {knob}: given twice ({given[knob]} and {item}); give each knob once")
-        given[knob] = item
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
         if not isinstance(value, (int, float, str, bool)):
             value = raw
-        out[knob] = value
+        out.append((knob, value))
     return out
-
-
-def check_set_types(job, overrides: dict[str, Any], source: str, flag: str = "--set") -> None:
-    """Each override of a knob of ``job`` must have its baseline's type (an int knob takes an int).
-
-    A stop-gap until the schema layer checks knob overrides itself; the rule is the one the job's
-    ``knobs`` imply: bool stays bool, int stays int, a float knob takes any number, a string knob a string.
-    """
-    for knob, value in overrides.items():
-        if knob not in job.knobs:
-            continue  # the launcher names what to add for a knob the job does not map (launch.knob_map)
-        base = job.knobs[knob]
-        if isinstance(base, bool):
-            ok = isinstance(value, bool)
-        elif isinstance(base, int):
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        elif isinstance(base, float):
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        else:
-            ok = isinstance(value, type(base))
-        if not ok:
-            kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(type(base), type(base).__name__)
-            raise OptionError(f"{flag} {knob}={value}: {knob} takes {kind} (baseline in {source}: {base!r})")

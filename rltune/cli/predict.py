@@ -48,6 +48,7 @@ def register(app: typer.Typer) -> None:
 
         from rltune.contracts.candidates import load_candidates
         from rltune.contracts.forecast import save_forecast
+        from rltune.contracts.identity import check_same_job
         from rltune.contracts.job import load_job
         from rltune.contracts.outputs import check_output
         from rltune.predict.forecast import forecast_candidates
@@ -64,6 +65,7 @@ def register(app: typer.Typer) -> None:
         cands = load_candidates(candidates)
         job_path = job or _resolve_job(candidates, cands.job)
         job_spec = load_job(job_path)
+        check_same_job(str(candidates), cands.job_name, job_spec)  # before the baseline is recorded as this job's case
         if out is not None:
             check_output(out, inputs=[job_path])
         if not library.is_dir():

@@ -168,16 +168,15 @@ def register(app: typer.Typer) -> None:
         _print_summary(run.diagnosis, run.report if from_logs else None, run.run_dir, run.warnings)
 
 
-def _run_job(job_path: Path, steps, out, overrides: dict, library: Path | None, vllm_metrics: str | None = None):
+def _run_job(job_path: Path, steps, out, sets: list, library: Path | None, vllm_metrics: str | None = None):
     import sys
 
-    from rltune.cli.options import check_set_types
-    from rltune.contracts.job import load_job
+    from rltune.contracts.job import check_knob_overrides, load_job
     from rltune.launch import new_run_dir
     from rltune.profile import profile_job
 
     job = load_job(job_path)
-    check_set_types(job, overrides, str(job_path))
+    overrides = check_knob_overrides(job, sets, "--set")
     if vllm_metrics is not None:
         job.metrics.vllm_metrics_url = vllm_metrics  # recorded in the run's resolved job.yaml
     run_dir = out if out is not None else new_run_dir(job.name)

@@ -51,7 +51,7 @@ def register(app: typer.Typer) -> None:
             knobs.update(load_job(run_dir / "job.yaml").knobs)
         result = propose(found, spec, load_default_knowledge(knowledge), knobs=knobs, job_path=str(job),
                          max_candidates=max_candidates, allow_needs=allow_needs, baseline_dir=str(run_dir),
-                         untuned_dir=str(untuned.resolve()) if untuned else None)
+                         untuned_dir=str(untuned.resolve()) if untuned else None, diagnosis_file=str(diagnosis))
         save_candidates(result, target)
         _show(result)
         if as_json:

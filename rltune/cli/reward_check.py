@@ -50,6 +50,7 @@ def register(app: typer.Typer) -> None:
         import json
 
         from rltune.cli.options import check_steps
+        from rltune.contracts.identity import check_same_job
         from rltune.contracts.job import load_job
         from rltune.contracts.outputs import check_output
         from rltune.tune.reward_check import (
@@ -64,6 +65,7 @@ def register(app: typer.Typer) -> None:
             check_output(out, inputs=[tuned, against, journal], expect="dir", writes=("reward_check.yaml",))
         plan = plan_reward_check(against, steps, seeds, window)
         tuned_job = load_job(tuned)
+        check_same_job(str(tuned), tuned_job.name, plan.job)  # a tuned preset keeps its untuned job's name
         changes = None
         if journal is not None:
             from rltune.tune.journal import read_state

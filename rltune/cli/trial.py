@@ -44,7 +44,8 @@ def register(app: typer.Typer) -> None:
         from rltune.cli.options import check_steps
         from rltune.contracts.candidates import load_candidates
         from rltune.contracts.forecast import load_forecast
-        from rltune.contracts.job import load_job
+        from rltune.contracts.identity import check_same_job
+        from rltune.contracts.job import check_knob_overrides, load_job
         from rltune.contracts.outputs import check_output
         from rltune.contracts.rundir import VERDICT_NAME, RunDir
         from rltune.errors import RltuneError
@@ -60,6 +61,8 @@ def register(app: typer.Typer) -> None:
         spec = load_job(job)
         predicted = load_forecast(forecast)
         candidates = load_candidates(_beside(forecast, predicted.candidates_file))
+        check_same_job(str(forecast), predicted.job_name, spec)
+        check_same_job(predicted.candidates_file, candidates.job_name, spec)
         if not candidates.baseline_dir:
             raise RltuneError(f"{predicted.candidates_file}: baseline_dir: not set; run 'rltune propose' on the "
                               f"diagnosis.yaml inside the baseline's run directory")
@@ -81,6 +84,7 @@ def register(app: typer.Typer) -> None:
         baseline = Baseline(run_id=candidates.baseline_run, rows=baseline_dir.rows(),
                             untuned_run=untuned_dir.name, untuned_rows=untuned_rows,
                             untuned_noise_pct=measured_noise(spec.limits, untuned_rows).measured_pct)
+        check_knob_overrides(spec, pick_fc.overrides, f"{forecast}: candidate {pick_fc.candidate}: overrides")
         run_id = new_run_id(f"{spec.name}-{pick_fc.candidate}")
         outcome = run_trial(spec, job, pick_fc, baseline_knobs=candidates.baseline_knobs, baseline=baseline,
                             library=lib, run_root=runs_root, run_id=run_id, steps=steps, remeasure=not no_remeasure)

@@ -14,13 +14,15 @@ is a YAML scalar or, for ``in``, a YAML list: ``workload.kind in [coding, tool_u
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from rltune.contracts.job import KnobValue
-from rltune.contracts.schema import FieldProblem, dump_yaml, field, load_yaml
+from rltune.contracts.schema import FieldProblem, dump_yaml, field, load_yaml, parse_yaml
+from rltune.errors import DuplicateKeyError
 
 KNOWLEDGE_SCHEMA_VERSION = 1
 
@@ -60,8 +62,8 @@ def parse_condition(text: str) -> Condition:
         raise ValueError(f"cannot read condition {text!r}; write 'NAME OP VALUE', OP one of == != < <= > >= in")
     name, op, raw = match.groups()
     try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError:
+        value = parse_yaml(raw, "condition")
+    except (yaml.YAMLError, DuplicateKeyError):
         raise ValueError(f"cannot read the value of condition {text!r}") from None
     if op == "in" and not isinstance(value, list):
         raise ValueError(f"condition {text!r}: 'in' needs a list, e.g. [a, b]")
@@ -86,6 +88,34 @@ class KnobInfo:
     min: float | None = field(None, doc="smallest value a relative override may reach")
     max: float | None = field(None, doc="largest value a relative override may reach")
     keys: dict[str, str] = field(default_factory=dict, doc="framework -> its usual config key for this knob (a hint for launch.knob_map)")
+
+    def validate(self) -> None:
+        numeric = self.type in ("int", "float")
+        for bound in ("min", "max"):
+            if getattr(self, bound) is not None and not numeric:
+                raise FieldProblem(bound, f"only a numeric knob has a {bound}; this one is {self.type}")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise FieldProblem("min", f"min ({self.min:g}) is above max ({self.max:g}); swap them")
+        if self.type == "int":
+            for bound in ("min", "max"):
+                value = getattr(self, bound)
+                if value is not None and value != int(value):
+                    raise FieldProblem(bound, f"an int knob's {bound} is a whole number, found {value:g}")
+        for i, choice in enumerate(self.choices or ()):
+            if not _is_type(choice, self.type):
+                raise FieldProblem(f"choices[{i}]", f"expected {'an' if self.type == 'int' else 'a'} {self.type} value, "
+                                                    f"found {choice!r}")
+            if numeric and ((self.min is not None and choice < self.min) or (self.max is not None and choice > self.max)):
+                raise FieldProblem(f"choices[{i}]", f"{choice!r} lies outside the knob's min and max")
+
+
+def _is_type(value: KnobValue, kind: str) -> bool:
+    """Whether ``value`` is a value of knob type ``kind`` (an int is a float; a bool is neither)."""
+    if kind == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, {"int": int, "float": (int, float), "str": str}[kind])
 
 
 @dataclass
@@ -114,6 +144,9 @@ class Knowledge:
     fixes: list[Fix] = field(doc="problem -> fix entries")
 
     def validate(self) -> None:
+        for name, text in self.problems.items():
+            if not text.strip():
+                raise FieldProblem(f"problems.{name}", "describe the problem in one line")
         ids = [f.id for f in self.fixes]
         for i, fix in enumerate(self.fixes):
             if ids.count(fix.id) > 1:
@@ -146,12 +179,20 @@ class Knowledge:
         if relative is not None:
             if info.type not in ("int", "float"):
                 raise FieldProblem(where, f"relative change {value!r} needs a numeric knob, this one is {info.type}")
+            op, amount = relative
+            if amount == 0 and op in "*/":
+                raise FieldProblem(where, f"relative change {value!r} {'divides by' if op == '/' else 'multiplies by'} "
+                                          "zero; give a literal value instead")
             return
-        expected = {"int": int, "float": (int, float), "bool": bool, "str": str}[info.type]
-        if isinstance(value, bool) != (info.type == "bool") or not isinstance(value, expected):
-            raise FieldProblem(where, f"expected a {info.type} value (or '*2', '/2', '+1', '-1'), found {value!r}")
+        if not _is_type(value, info.type):
+            raise FieldProblem(where, f"expected {'an' if info.type == 'int' else 'a'} {info.type} value "
+                                      f"(or '*2', '/2', '+1', '-1'), found {value!r}")
         if info.choices is not None and value not in info.choices:
             raise FieldProblem(where, f"expected one of {info.choices}, found {value!r}")
+        if info.type in ("int", "float") and info.min is not None and value < info.min:
+            raise FieldProblem(where, f"{value!r} is below the knob's min ({info.min:g})")
+        if info.type in ("int", "float") and info.max is not None and value > info.max:
+            raise FieldProblem(where, f"{value!r} is above the knob's max ({info.max:g})")
 
     def fix(self, fix_id: str) -> Fix:
         for f in self.fixes:
@@ -162,6 +203,26 @@ class Knowledge:
 
 def load_knowledge(path: str | Path) -> Knowledge:
     return load_yaml(Knowledge, path, KNOWLEDGE_SCHEMA_VERSION)
+
+
+# The knowledge base shipped with rltune: its knob table is the registry of abstract knob names.
+SHIPPED_KNOWLEDGE = Path(__file__).resolve().parents[2] / "presets" / "knowledge.yaml"
+
+
+@functools.lru_cache(maxsize=4)
+def _knob_table(path: str, mtime_ns: int) -> dict[str, KnobInfo]:
+    return dict(load_knowledge(path).knobs)
+
+
+def shipped_knobs() -> dict[str, KnobInfo]:
+    """The shipped knowledge base's knobs (type, bounds, choices); empty where it cannot be read
+    (its own loader reports that, when a command reads it)."""
+    from rltune.errors import RltuneError
+
+    try:
+        return _knob_table(str(SHIPPED_KNOWLEDGE), SHIPPED_KNOWLEDGE.stat().st_mtime_ns)
+    except (OSError, RltuneError):
+        return {}
 
 
 def save_knowledge(knowledge: Knowledge, path: str | Path) -> None:

@@ -12,7 +12,8 @@ Supported field types: ``int``, ``float`` (ints accepted), ``str``, ``bool``, ``
 Validation of cross-field rules lives in each dataclass's ``validate(path)`` method, which may raise
 :class:`FieldProblem`; the loader turns it into a located error.
 
-YAML is only ever read with ``yaml.safe_load``.
+YAML is only ever read with a safe loader (:func:`parse_yaml`), which refuses a key repeated in one
+mapping at any depth: YAML itself would keep the last value without a word.
 """
 
 from __future__ import annotations
@@ -174,9 +175,16 @@ def _check_bounds(value: float, file: str, path: str, meta: dict | None) -> None
         return
     lo, hi = meta.get("min"), meta.get("max")
     if lo is not None and value < lo:
-        raise WrongTypeError(file, path, f"expected a value >= {lo}, found {value!r}")
+        raise WrongTypeError(file, path, f"expected a value >= {_number(lo)}, found {_number(value)}")
     if hi is not None and value > hi:
-        raise WrongTypeError(file, path, f"expected a value <= {hi}, found {value!r}")
+        raise WrongTypeError(file, path, f"expected a value <= {_number(hi)}, found {_number(value)}")
+
+
+def _number(value: float) -> str:
+    """A bound or value as a person writes it: 10000, 0.05, 1e+15 (not 1000000000000000.0)."""
+    if isinstance(value, int):
+        return str(value) if abs(value) < 10**12 else f"{value:g}"
+    return f"{value:g}" if abs(value) >= 1e6 or 0 < abs(value) < 1e-4 else repr(value)
 
 
 def _build(cls: type[T], data: Any, file: str, path: str) -> T:
@@ -257,20 +265,103 @@ def check_parquet_version(metadata: dict | None, file: str, supported: int, how_
     return version
 
 
+def _yaml_loader() -> type:
+    """The safe loader rltune reads every YAML file with (the C parser where PyYAML has it)."""
+    import yaml
+
+    return getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _check_duplicate_keys(node: Any, file: str) -> None:
+    """Refuse a mapping, at any depth, that names one key twice (YAML keeps the last one silently)."""
+    import yaml
+
+    seen_nodes: set[int] = set()
+    stack: list[tuple[Any, str]] = [(node, "")]
+    while stack:
+        current, path = stack.pop()
+        if id(current) in seen_nodes:  # an alias: checked where its anchor is
+            continue
+        seen_nodes.add(id(current))
+        if isinstance(current, yaml.MappingNode):
+            first_line: dict[tuple[str, str], int] = {}
+            children = []
+            for key_node, value_node in current.value:
+                if key_node.tag == _MERGE_TAG or not isinstance(key_node, yaml.ScalarNode):
+                    children.append((value_node, path))
+                    continue
+                key = (key_node.tag, key_node.value)
+                where = _join(path, key_node.value)
+                line = key_node.start_mark.line + 1
+                if key in first_line:
+                    from rltune.errors import DuplicateKeyError
+
+                    raise DuplicateKeyError(file, where, f"duplicate key (the first is on line {first_line[key]}); "
+                                                         "keep one", line=line)
+                first_line[key] = line
+                children.append((value_node, where))
+            stack.extend(reversed(children))
+        elif isinstance(current, yaml.SequenceNode):
+            stack.extend(reversed([(item, _join(path, i)) for i, item in enumerate(current.value)]))
+
+
+def parse_yaml(text: str, file: str = "<text>") -> Any:
+    """Parse YAML text safely, refusing a key repeated in one mapping; raises ``yaml.YAMLError`` on bad syntax."""
+    loader = _yaml_loader()(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_duplicate_keys(node, file)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _is_json_lines(text: str) -> bool:
+    """Whether ``text`` is JSON objects one a line (which YAML cannot read past the first)."""
+    import json
+
+    lines = [line for line in text.splitlines()[:3] if line.strip()]
+    try:
+        return len(lines) > 1 and all(isinstance(json.loads(line), dict) for line in lines)
+    except ValueError:
+        return False
+
+
 def read_yaml(path: str | os.PathLike) -> Any:
-    """Parse a YAML file safely; a syntax error becomes one located line."""
+    """Parse a YAML file safely; a syntax error or a repeated key becomes one located line."""
     import yaml
 
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise MalformedFileError(str(path), "", "no such file; check the path") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise MalformedFileError(str(path), "", f"cannot be read ({exc.__class__.__name__}: {exc})") from None
+    except IsADirectoryError:
+        raise MalformedFileError(str(path), "", "is a directory; give the YAML file inside it") from None
+    except PermissionError:
+        raise MalformedFileError(str(path), "", "cannot be read (permission denied); check its permissions") from None
+    except OSError as exc:
+        raise MalformedFileError(str(path), "", f"cannot be read ({exc.strerror or 'input/output error'}); "
+                                                "check the path") from None
+    if raw.startswith(b"PAR1"):
+        raise MalformedFileError(str(path), "", "this is a Parquet file (a stage table or a case), not YAML; "
+                                                "give the YAML file the command asks for")
     try:
-        return yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MalformedFileError(str(path), "", f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                                                "give the YAML file the command asks for") from None
+    try:
+        return parse_yaml(text, str(path))
     except yaml.YAMLError as exc:
+        if _is_json_lines(text):
+            raise MalformedFileError(str(path), "", "this is a JSON-lines file (a journal.jsonl or a metrics log), not "
+                                                    "YAML; give the YAML file the command asks for") from None
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
@@ -278,8 +369,17 @@ def read_yaml(path: str | os.PathLike) -> Any:
 
 
 def load_yaml(cls: type[T], path: str | os.PathLike, supported_version: int) -> T:
-    """Read ``path`` as artifact ``cls``: safe YAML, schema version check, full validation."""
+    """Read ``path`` as artifact ``cls``: safe YAML, the artifact's kind, schema version, full validation.
+
+    A file that is another kind of rltune artifact (a diagnosis where candidates are expected) is
+    refused as such before its fields are read (:func:`rltune.contracts.identity.check_kind`).
+    """
+    from rltune.contracts.identity import check_kind
+
     data = read_yaml(path)
+    if not isinstance(data, dict):
+        raise MalformedFileError(str(path), "", f"expected a YAML mapping at the top level, found {_describe(data)}")
+    check_kind(data, str(path), cls)
     check_schema_version(data, str(path), supported_version)
     return from_data(cls, data, str(Path(path)))
 
@@ -331,8 +431,20 @@ def dump_yaml(obj: Any, path: str | os.PathLike) -> None:
     atomic_write_text(path, yaml.safe_dump(to_data(obj), sort_keys=False, allow_unicode=True, width=100))
 
 
+def _range_text(meta: Any) -> str:
+    """', 1 to 10000' / ', >= 0' / ', <= 100' for a field with bounds, else ''."""
+    lo, hi = meta.get("min"), meta.get("max")
+    if lo is not None and hi is not None:
+        return f", {_number(lo)} to {_number(hi)}"
+    if lo is not None:
+        return f", >= {_number(lo)}"
+    if hi is not None:
+        return f", <= {_number(hi)}"
+    return ""
+
+
 def field_docs(cls: type) -> list[tuple[str, str, str]]:
-    """(dotted name, type, doc) for every field of ``cls`` and its nested dataclasses."""
+    """(dotted name, type and range, doc) for every field of ``cls`` and its nested dataclasses."""
     rows: list[tuple[str, str, str]] = []
     hints = get_type_hints(cls)
 
@@ -353,7 +465,7 @@ def field_docs(cls: type) -> list[tuple[str, str, str]]:
 
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        rows.append((f.name, _type_name(tp), f.metadata.get("doc", "")))
+        rows.append((f.name, _type_name(tp) + _range_text(f.metadata), f.metadata.get("doc", "")))
         sub = nested(tp)
         if sub is not None:
             suffix = "[]" if get_origin(tp) is list else ("{}" if get_origin(tp) is dict else "")
@@ -372,6 +484,7 @@ __all__ = [
     "field_docs",
     "from_data",
     "load_yaml",
+    "parse_yaml",
     "read_yaml",
     "to_data",
 ]

@@ -5,16 +5,25 @@ columns: numeric extras are float64, named as the source named them (``/`` kept)
 file's key-value metadata carries ``rltune.schema_version`` and ``rltune.source`` (the log format).
 
 Times are seconds. A value the source does not have is null, never 0.
+
+Validation (:func:`stage_value_problem`, applied where rows are built from a log and again by
+:func:`read_stages`): a core time (a ``*_s`` column) is finite, at least 0 and at most
+:data:`MAX_STAGE_S`; a count, age, gap or fraction (``gen_tokens``, ``trials_*``, ``sample_age_*``,
+``gap``, ``*_frac``, ...) is finite and at least 0. ``reward`` and the extra columns are the source's
+own and may be negative. A value that breaks a rule is refused naming the file, the step and the
+column; only a log format where a missing value is written as NaN has it reported and left null
+(never diagnosed).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rltune.contracts.schema import check_parquet_version
-from rltune.errors import MalformedFileError, MissingFieldError, WrongTypeError
+from rltune.errors import MalformedFileError, MeasurementError, MissingFieldError, WrongTypeError
 
 if TYPE_CHECKING:  # pyarrow is imported lazily: the CLI's start-up must not pay for it
     import pyarrow as pa
@@ -54,6 +63,48 @@ CORE_COLUMNS: list[tuple[str, str, str]] = [
 ]
 CORE_NAMES = [name for name, _, _ in CORE_COLUMNS]
 STAGE_COLUMNS = ("rollout_s", "training_s", "weight_sync_s")
+# Core columns holding seconds, and those holding counts, ages, gaps and fractions: never negative.
+TIME_COLUMNS = tuple(name for name, kind, _ in CORE_COLUMNS if kind == "float64" and name.endswith("_s"))
+NONNEGATIVE_COLUMNS = tuple(name for name, kind, _ in CORE_COLUMNS
+                            if kind == "float64" and not name.endswith("_s") and name != "reward")
+# A step or stage longer than this (about 116 days) is a unit or logging error, not a measurement.
+MAX_STAGE_S = 1e7
+
+
+def stage_value_problem(column: str, value: Any) -> str | None:
+    """What is wrong with ``value`` in core column ``column`` (None: nothing, or not a checked column).
+
+    A NaN is reported as such; whether it is refused or read as a missing value is the caller's
+    choice (see the module docstring).
+    """
+    if column not in TIME_COLUMNS and column not in NONNEGATIVE_COLUMNS:
+        return None
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if math.isnan(value):
+        return "is NaN; a measured value is a number (leave the key out where the job did not measure it)"
+    unit = " s" if column in TIME_COLUMNS else ""
+    if math.isinf(value):
+        return f"is {'' if value > 0 else 'minus '}infinity; a measured value is finite: check how the job computes it"
+    if value < 0:
+        return (f"is {value:g}{unit}, negative; a {'time' if unit else 'count, age or fraction'} is never negative: "
+                "check how the job measures it")
+    if column in TIME_COLUMNS and value > MAX_STAGE_S:
+        return (f"is {value:g} s, more than {MAX_STAGE_S:g} s (116 days); check the unit the job logs it in "
+                "(milliseconds, nanoseconds?)")
+    return None
+
+
+def check_stage_row(row: dict[str, Any], file: str, rules: dict[str, str] | None = None) -> None:
+    """Refuse a row whose core values break :func:`stage_value_problem`; ``rules`` says how a derived
+    column was computed (column -> stage-map rule), for the message."""
+    for column in (*TIME_COLUMNS, *NONNEGATIVE_COLUMNS):
+        problem = stage_value_problem(column, row.get(column))
+        if problem is not None:
+            rule = (rules or {}).get(column)
+            if rule and rule != column:
+                problem = problem.replace("; ", f" (from {rule}); ", 1)
+            raise MeasurementError(file, row.get("step"), column, problem)
 
 
 def _arrow_type(name: str) -> pa.DataType:
@@ -125,7 +176,25 @@ def read_stages(path: str | os.PathLike) -> pa.Table:
             raise MissingFieldError(path, name, f"missing column ({kind})")
         if table.schema.field(name).type != _arrow_type(kind):
             raise WrongTypeError(path, name, f"expected column type {kind}, found {table.schema.field(name).type}")
+    _check_values(table, path)
     return table
+
+
+def _check_values(table: pa.Table, path: str) -> None:
+    """Refuse a stored table whose core values break :func:`stage_value_problem` (a NaN too: rltune
+    writes a missing value as null)."""
+    import pyarrow.compute as pc
+
+    for column in (*TIME_COLUMNS, *NONNEGATIVE_COLUMNS):
+        values = table.column(column)
+        bad = pc.or_(pc.or_(pc.is_nan(values), pc.is_inf(values)), pc.less(values, 0.0))
+        if column in TIME_COLUMNS:
+            bad = pc.or_(bad, pc.greater(values, MAX_STAGE_S))
+        if not pc.any(bad).as_py():
+            continue
+        index = pc.index(bad, True).as_py()
+        step = table.column("step")[index].as_py()
+        raise MeasurementError(path, step, column, stage_value_problem(column, values[index].as_py()))
 
 
 def source_of(table: pa.Table) -> str:
@@ -143,11 +212,16 @@ __all__ = [
     "CORE_COLUMNS",
     "CORE_NAMES",
     "STAGES_SCHEMA_VERSION",
+    "MAX_STAGE_S",
+    "NONNEGATIVE_COLUMNS",
     "STAGE_COLUMNS",
+    "TIME_COLUMNS",
+    "check_stage_row",
     "describe_columns",
     "read_stages",
     "rows_to_table",
     "source_of",
+    "stage_value_problem",
     "stages_schema",
     "write_stages",
 ]

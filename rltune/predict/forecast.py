@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rltune.contracts.forecast import FORECAST_SCHEMA_VERSION, CandidateForecast, CaseWeight, Forecast
+from rltune.contracts.identity import check_same_job
 from rltune.contracts.knowledge import moves_group
 from rltune.predict.effects import EPS_S, KnobEffects, knob_effects
 from rltune.predict.library import CaseLibrary, as_cases
@@ -597,7 +598,9 @@ def forecast_candidates(job: JobSpec, candidates: Candidates, library: CaseLibra
 
     Gains are against the baseline as the same library forecasts it -- which, when the library
     holds the baseline's own run (as ``auto`` and ``predict`` make sure), is its measured step.
+    Candidates composed for another job are refused (``candidates_file`` names them in the message).
     """
+    check_same_job(candidates_file or "candidates", candidates.job_name, job)
     p = library if isinstance(library, Prepared) else prepare(
         as_cases(library if isinstance(library, CaseLibrary) else list(library)), theory,
         cache_dir=library.path if isinstance(library, CaseLibrary) and library.path.is_dir() else None)
@@ -616,7 +619,7 @@ def forecast_candidates(job: JobSpec, candidates: Candidates, library: CaseLibra
                     library=library_path or str(getattr(library, "path", "")), baseline_step_s=baseline.step_s,
                     baseline_run=candidates.baseline_run, baseline_method="measured" if measured else baseline.method,
                     baseline_stages_s=dict(baseline.stages_s), limiting_stage=candidates.limiting_stage, gate_pct=gate,
-                    forecasts=forecasts)
+                    forecasts=forecasts, job_name=job.name)
 
 
 def group_seconds(fc: CandidateForecast, group: str) -> float | None:

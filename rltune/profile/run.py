@@ -26,6 +26,7 @@ diagnosis.yaml (from logs: stages.parquet, parse_report.json and diagnosis.yaml)
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from rltune.contracts.diagnosis import Diagnosis, save_diagnosis
 from rltune.contracts.job import JobSpec, KnobValue, load_job
 from rltune.contracts.rundir import DIAGNOSIS_NAME, PARSE_REPORT_NAME, STAGES_NAME
-from rltune.contracts.stages import rows_to_table, source_of, write_stages
+from rltune.contracts.stages import check_stage_row, rows_to_table, source_of, write_stages
 from rltune.errors import LaunchError, LogFormatError, RltuneError
 from rltune.launch import LaunchResult, resolved_job, run_job
 from rltune.launch.job import metrics_path_of, run_knobs
@@ -127,16 +128,18 @@ class RecordedRun:
             self.log_tail = self.launch.log_tail(LOG_TAIL_LINES)
 
 
-def _merge_engine_metrics(table: pa.Table, per_step: dict[int, dict[str, float]]) -> pa.Table:
+def _merge_engine_metrics(table: pa.Table, per_step: dict[int, dict[str, float]], url: str) -> pa.Table:
     rows = table.to_pylist()
     for row in rows:
         snapshot = per_step.get(row["step"])
         if not snapshot:
             continue
-        core, _ = map_metrics("vllm", snapshot)
+        core, used = map_metrics("vllm", snapshot)
         for column, value in core.items():
-            if row.get(column) is None:
+            # vLLM reports a histogram with no observation in the step as NaN: not measured, left null
+            if row.get(column) is None and not math.isnan(value):
                 row[column] = value
+        check_stage_row(row, url, used)
         for key, value in snapshot.items():
             if "/bucket/" not in key:
                 row.setdefault(key, value)
@@ -208,7 +211,12 @@ def record_run(job_path: str | Path, run_dir: str | Path, *, job: JobSpec | None
             run._fail("failed", "unreadable_metrics", f"its metrics cannot be read ({exc})")
         return run
     if per_step:
-        table = _merge_engine_metrics(table, per_step)
+        try:
+            table = _merge_engine_metrics(table, per_step, job.metrics.vllm_metrics_url or "")
+        except RltuneError as exc:
+            if run.ok:
+                run._fail("failed", "unreadable_metrics", f"its engine metrics cannot be read ({exc})")
+            return run
     run.table, run.report = table, report
     write_stages(table, run_dir / STAGES_NAME)
     if not run.ok:
@@ -224,6 +232,7 @@ def record_run(job_path: str | Path, run_dir: str | Path, *, job: JobSpec | None
         run._fail("failed", "unreadable_metrics", f"its metrics time no step or stage ({exc})")
         return run
     run.diagnosis.job = "job.yaml"
+    run.diagnosis.job_name = job.name
     if scrape_failures:
         run.diagnosis.notes.append(f"{scrape_failures} scrapes of {job.metrics.vllm_metrics_url} failed")
     save_diagnosis(run.diagnosis, run_dir / DIAGNOSIS_NAME)

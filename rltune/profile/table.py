@@ -1,6 +1,11 @@
 """Build a stage table from a framework's logs: read, detect the format, parse, map to core columns.
 
 Public API: :func:`stage_table_from_logs` (path, format='auto', run_id=None) -> (table, ParseReport).
+
+Every row is checked where it is built (:func:`rltune.contracts.stages.check_stage_row`): a negative,
+infinite or absurd (> 1e7 s) core time is refused naming the log, the step and the column. A NaN
+time is refused in the rltune format (which leaves unmeasured values out) and elsewhere reported
+and left null, never diagnosed.
 ``path`` may be one file or a directory (every regular file under it, in name order — e.g. a
 prime-rl output folder with trainer/ and orchestrator/ metrics, or a folder of benchmark results).
 """
@@ -23,6 +28,9 @@ if TYPE_CHECKING:
 MAX_LOG_BYTES = 2 * 1024**3  # refuse to slurp more than this; a bigger log should be cut to the steps of interest
 # A few stray lines of another format (a printed dict in a verl log) are not a mix; this share is.
 MIXED_FORMAT_SHARE = 0.2
+# Formats that leave an unmeasured value out: a NaN time there is a broken measurement, refused.
+# Elsewhere (verl's console, TRL's dicts) NaN is how a step without that timer is printed.
+NAN_IS_REFUSED = frozenset({"rltune"})
 
 
 def _read_sources(path: Path) -> list[tuple[str, str]]:
@@ -65,7 +73,7 @@ def detect_format(sources: list[tuple[str, str]], path: str = "") -> tuple[str, 
 def stage_table_from_logs(path: str | os.PathLike, format: str = "auto", run_id: str | None = None,
                           warmup_steps: int = 0) -> tuple[pa.Table, ParseReport]:
     """Parse logs at ``path`` into a stage table; ``warmup_steps`` first steps are marked warm-up."""
-    from rltune.contracts.stages import rows_to_table
+    from rltune.contracts.stages import check_stage_row, rows_to_table
 
     path = Path(path)
     sources = _read_sources(path)
@@ -92,8 +100,9 @@ def stage_table_from_logs(path: str | os.PathLike, format: str = "auto", run_id:
         core, used = map_metrics(fmt, metrics)
         for column, rule in used.items():
             report.derived.setdefault(column, rule)
-            if not math.isfinite(core[column]):
-                # A NaN or infinite time is never used: the column is null and the report says why.
+            if math.isnan(core[column]) and fmt not in NAN_IS_REFUSED:
+                # Where a log writes a value it did not measure as NaN, the column is null and the
+                # report says so; the value is never diagnosed.
                 nonfinite_core.setdefault(column, []).append((int(step), core[column], rule))
                 core[column] = None
         row: dict = {}
@@ -108,6 +117,7 @@ def stage_table_from_logs(path: str | os.PathLike, format: str = "auto", run_id:
         row["run_id"] = parsed.run_ids.get(step, base_id) if run_id is None else run_id
         row["step"] = int(step)
         row["warmup"] = bool(metrics.get("warmup", 0.0)) or index < warmup_steps
+        check_stage_row(row, str(path), used)  # a negative, infinite or absurd time: file, step, column
         rows.append(row)
     for column, cases in nonfinite_core.items():
         step, value, rule = cases[0]

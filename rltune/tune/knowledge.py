@@ -13,10 +13,17 @@ from pathlib import Path
 from typing import Any
 
 from rltune.contracts.job import JobSpec, KnobValue
-from rltune.contracts.knowledge import Condition, Fix, Knowledge, load_knowledge, parse_relative
+from rltune.contracts.knowledge import (
+    SHIPPED_KNOWLEDGE,
+    Condition,
+    Fix,
+    Knowledge,
+    load_knowledge,
+    parse_relative,
+)
 from rltune.errors import RltuneError
 
-DEFAULT_KNOWLEDGE = Path(__file__).resolve().parents[2] / "presets" / "knowledge.yaml"
+DEFAULT_KNOWLEDGE = SHIPPED_KNOWLEDGE
 
 
 class KnowledgeError(RltuneError):

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from rltune.contracts.candidates import Candidate, Candidates
 from rltune.contracts.diagnosis import Diagnosis, Problem
+from rltune.contracts.identity import check_same_job
 from rltune.contracts.job import JobSpec, KnobValue
 from rltune.contracts.knowledge import Fix, Knowledge, moves_group
 from rltune.tune.knowledge import ApplicableFix, applicable_fix, condition_holds, job_facts
@@ -112,12 +113,15 @@ def _combination_works(chosen: list[ApplicableFix], baseline: dict[str, KnobValu
 def propose(diagnosis: Diagnosis, job: JobSpec, knowledge: Knowledge, *, knobs: dict[str, KnobValue] | None = None,
             job_path: str = "", round_tag: str = "r1", max_candidates: int = 12,
             tried: list[dict[str, KnobValue]] = (), allow_needs: bool = True,
-            baseline_dir: str | None = None, untuned_dir: str | None = None) -> Candidates:
+            baseline_dir: str | None = None, untuned_dir: str | None = None,
+            diagnosis_file: str = "") -> Candidates:
     """Compose candidate setups for the run ``diagnosis`` describes, at baseline ``knobs``.
 
     ``tried`` holds full knob sets already measured; a setup that would repeat one is left out.
-    ``allow_needs=False`` leaves out fixes that need resources beyond the budget.
+    ``allow_needs=False`` leaves out fixes that need resources beyond the budget. A diagnosis of
+    another job's run is refused (``diagnosis_file`` names it in the message).
     """
+    check_same_job(diagnosis_file or "diagnosis", diagnosis.job_name, job)
     baseline = dict(job.knobs if knobs is None else knobs)
     baseline.setdefault("rl_mode", diagnosis.rl_mode)
     facts = job_facts(job)
@@ -192,7 +196,7 @@ def propose(diagnosis: Diagnosis, job: JobSpec, knowledge: Knowledge, *, knobs: 
     return Candidates(
         schema_version=1, job=job_path, baseline_run=diagnosis.run_id, baseline_knobs=baseline,
         limiting_stage=limiting, candidates=candidates, next_stage=next_group,
-        baseline_dir=baseline_dir, untuned_dir=untuned_dir, unfixed=sorted(set(unfixed)),
+        baseline_dir=baseline_dir, untuned_dir=untuned_dir, unfixed=sorted(set(unfixed)), job_name=job.name,
     )
 
 

@@ -3,7 +3,7 @@
 Every knob the tuner may move is a key here; docs/workload.md lists them all. The file is read
 with the strict schema machinery of :mod:`rltune.contracts.schema`, so a misspelt key fails with
 the file, the dotted field and a did-you-mean. Overrides are applied to the parsed mapping before
-validation, their values parsed with ``yaml.safe_load`` (``trainer.packing=true`` is a bool).
+validation, their values parsed as YAML (``trainer.packing=true`` is a bool).
 """
 
 from __future__ import annotations
@@ -16,7 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_type_hints
 
-from rltune.contracts.schema import FieldProblem, check_schema_version, field, from_data, read_yaml
+from rltune.contracts.schema import (
+    FieldProblem,
+    check_schema_version,
+    field,
+    from_data,
+    parse_yaml,
+    read_yaml,
+)
 from rltune.errors import MalformedFileError, UnknownKeyError, WrongTypeError
 
 WORKLOAD_SCHEMA_VERSION = 1
@@ -146,6 +153,9 @@ class WorkloadConfig:
             raise FieldProblem("trainer.advantage_sign", "must be 1 (train) or -1 (the diagnostic that flips every advantage)")
         if not self.env.operators or set(self.env.operators) - set("+-*"):
             raise FieldProblem("env.operators", f"expected one or more of '+-*', found {self.env.operators!r}")
+        if self.env.context_limit_tokens < self.env.max_new_tokens:
+            raise FieldProblem("env.context_limit_tokens", f"is below env.max_new_tokens ({self.env.max_new_tokens}): "
+                                                           "a trial could not hold one whole answer")
         if self.env.kind == "tool_use" and self.env.context_limit_tokens < 2 * self.env.max_new_tokens:
             raise FieldProblem("env.context_limit_tokens", "must be at least twice env.max_new_tokens for a multi-turn trial")
         self._validate_vllm()
@@ -295,7 +305,7 @@ def parse_override(text: str, file: str) -> tuple[str, Any]:
         hint = f"did you mean {close[0]!r}?" if close else "see docs/workload.md for the keys"
         raise UnknownKeyError(file, key, f"unknown override key ({hint})")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = parse_yaml(raw, file) if raw.strip() else None
     except yaml.YAMLError:
         raise WrongTypeError(file, key, f"override value {raw!r} is not valid YAML") from None
     return key, value
@@ -319,6 +329,9 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...], file: st
 
 def config_from_data(data: Any, file: str, overrides: list[str] | tuple[str, ...] = ()) -> WorkloadConfig:
     """Validate parsed YAML (plus overrides) as a :class:`WorkloadConfig`."""
+    from rltune.contracts.identity import check_kind
+
+    check_kind(data, file, WorkloadConfig)
     check_schema_version(data, file, WORKLOAD_SCHEMA_VERSION)
     return from_data(WorkloadConfig, apply_overrides(data, list(overrides), file), file)
 

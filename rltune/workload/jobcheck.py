@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from rltune.contracts.job import JobSpec, KnobValue
-from rltune.errors import ArtifactError, RltuneError
+from rltune.errors import ArtifactError, DuplicateKeyError, MeasurementError, RltuneError
 
 # options of 'rltune workload run' that take a value (everything else after CONFIG is an override)
 _VALUE_OPTIONS = {"--run-dir", "--steps"}
@@ -86,6 +86,10 @@ def _key_in(message: str, knob_of: Mapping[str, str]) -> str | None:
 
 def _located(exc: RltuneError, prefix: str) -> tuple:
     """Constructor arguments of ``exc``'s class for the same message with ``prefix`` in front."""
+    if isinstance(exc, DuplicateKeyError):
+        return (prefix + exc.file, exc.field, exc.problem, exc.line)
+    if isinstance(exc, MeasurementError):
+        return (prefix + exc.file, exc.step, exc.field, exc.problem)
     if isinstance(exc, ArtifactError):
         return (prefix + exc.file, exc.field, exc.problem)
     return (prefix + str(exc),)
