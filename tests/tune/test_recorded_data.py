@@ -24,8 +24,9 @@ from .helpers import DEMO
 
 
 def _snapshot(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root`` but the library's index, a cache any read may rebuild."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "_index.parquet"}
 
 
 def _lines(path: Path) -> list[dict]:
@@ -107,7 +108,9 @@ def test_a_finished_work_dir_whose_journal_was_lost_is_refused_and_left_as_it_wa
 def test_a_journal_that_is_binary_is_refused_naming_its_line(finished, tmp_path, capsys):
     job, workdir = _copy(finished, tmp_path)
     path = workdir / "journal.jsonl"
-    path.write_bytes(path.read_bytes()[:200] + b"\n\xff\xfe\x00\x01 binary\n" + path.read_bytes()[200:])
+    raw = path.read_bytes()
+    first = raw.index(b"\n") + 1
+    path.write_bytes(raw[:first] + b"\xff\xfe\x00\x01 binary\n" + raw[first:])   # a second line of bytes
     before = _snapshot(workdir)
     capsys.readouterr()
     assert _auto(job, workdir, tmp_path) == 2
@@ -123,7 +126,7 @@ def test_a_second_work_dir_sharing_the_library_gives_its_runs_their_own_ids(fini
     before = _snapshot(library)
     other = _job(tmp_path / "other", name="demo")
     code = main(["auto", str(other), "--workdir", str(tmp_path / "second"), "--library", str(library), "--trials",
-                 "0", "--steps", "3", "--tuned-dir", str(tmp_path / "tuned2"), "--no-live"])
+                 "1", "--steps", "3", "--tuned-dir", str(tmp_path / "tuned2"), "--no-live"])
     assert code == 0
     second = _lines(tmp_path / "second" / "journal.jsonl")
     baseline = next(e for e in second if e["event"] == "baseline")
@@ -141,7 +144,7 @@ def test_an_untuned_baseline_that_crashes_exits_4_and_is_recorded_as_failed(tmp_
     assert main(["auto", str(job), "--workdir", str(tmp_path / "tune"), "--steps", "3", "--tuned-dir",
                  str(tmp_path / "tuned"), "--no-live"]) == 4
     err = capsys.readouterr().err
-    assert err.startswith("rltune: the untuned baseline crashed") and "boom" in err
+    assert "rltune: the untuned baseline failed (exited with code 1); fix the job first" in err and "boom" in err
     events = _lines(tmp_path / "tune" / "journal.jsonl")
     assert [e["event"] for e in events][-1] == "run_abandoned"
     assert [r.status for r in CaseLibrary(tmp_path / "tune" / "cases").load()] == ["failed"]
