@@ -64,8 +64,8 @@ from rltune.sync.ops import apply_mapped_delta_ref, wire_width
 from rltune.sync.store import BroadcastStore
 
 ApplyFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], int]
-_BITS_NP = {8: np.dtype("u1"), 16: np.dtype("<i2"), 32: np.dtype("<i4")}
-_DTYPE_BITS = {"bfloat16": 16, "float16": 16, "float32": 32, "float8_e4m3fn": 8, "float8_e5m2": 8}
+# an anchor's little-endian wire bits, by width, as numpy reads them
+_BITS_NP = {bits: np.dtype(name).newbyteorder("<") for bits, name in fmt.BITS_INTEGERS.items()}
 
 
 @dataclass
@@ -239,7 +239,7 @@ class DeltaReceiver:
                 if held:
                     for pid in np.unique(runs.param):
                         p = self.params[int(pid)]
-                        if str(p.dtype).removeprefix("torch.") != t["dtype"] and problem is None:
+                        if fmt.dtype_name(p.dtype) != t["dtype"] and problem is None:
                             problem = fmt.IndexMapError(
                                 f"{where}: tensors.{name}.dtype: the engine parameter {self.imap.param_names[pid]} is "
                                 f"{p.dtype}, the checkpoint {t['dtype']}: casting loads are not patchable in place")
@@ -354,7 +354,7 @@ class DeltaReceiver:
                 if targets:
                     mine.append((targets, e))
             for (targets, e), data in zip(mine, fmt.read_entries_bytes(path, start, [e for _, e in mine]), strict=True):
-                held.append((targets, path, e, data, _DTYPE_BITS[m["tensors"][e["name"]]["dtype"]]))
+                held.append((targets, path, e, data, fmt.WIRE_DTYPES[m["tensors"][e["name"]]["dtype"]].bits))
         return held
 
     def _decoded_entries(self, step: int, m: dict):
@@ -652,7 +652,7 @@ class DeltaReceiver:
         for name, runs in self.imap.tensors.items():
             if not runs.held:
                 continue
-            bits = _DTYPE_BITS[m["tensors"][name]["dtype"]]
+            bits = fmt.WIRE_DTYPES[m["tensors"][name]["dtype"]].bits
             pieces = self._read_tensor(name, runs, by_name.get(name, []), bits)
             written = sum(int(src.numel()) for _, _, src in pieces)
             if written != runs.held:

@@ -625,6 +625,7 @@ def run_readers_bench(cfg: ReadersConfig, out_dir: str | Path,
     """Run every (storage, cache, N) trial; write the JSON record and the rows; return them."""
     import pickle
 
+    from rltune.sync import format as fmt
     from rltune.sync.indexmap import IndexMap
     from rltune.sync.toy_engine import ToyEngine, ToyEngineConfig
 
@@ -641,7 +642,7 @@ def run_readers_bench(cfg: ReadersConfig, out_dir: str | Path,
     # the index map is the same for every reader (one TP=1 engine each): recorded once here
     model = build_trainer_model(cfg.model, cfg.seed)
     engine_cfg = ToyEngineConfig.from_hf(model.config)
-    spec = {n: (list(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in model.state_dict().items()}
+    spec = {n: (list(t.shape), fmt.dtype_name(t.dtype)) for n, t in model.state_dict().items()}
     imap = IndexMap.record(lambda dt: ToyEngine(engine_cfg, dtype=dt), spec)
     imap_path = work / "index-map.pickle"
     with open(imap_path, "wb") as f:

@@ -477,7 +477,7 @@ def parameter_digests(model: torch.nn.Module, tensors: bool = False) -> dict[str
         data = p.detach().contiguous().cpu()
         entry: dict[str, Any] = dict(
             sha256=hashlib.sha256(data.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest(),
-            shape=list(data.shape), dtype=str(data.dtype).removeprefix("torch."))
+            shape=list(data.shape), dtype=fmt.dtype_name(data.dtype))
         if tensors:
             entry["tensor"] = data.clone()
         out[name] = entry
