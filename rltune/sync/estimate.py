@@ -50,13 +50,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rltune.contracts.schema import FieldProblem, field, load_yaml
+from rltune.sync.format import WIRE_DTYPES
 
 MODEL_SCHEMA_VERSION = 1
 RATES_SCHEMA_VERSION = 1
 RATES_PATH = Path(__file__).resolve().parent / "data" / "rates.yaml"
 GIB = float(1 << 30)
 MIB = float(1 << 20)
-DTYPE_BYTES = {"bf16": 2, "fp8": 1}
+# a model spec's dtype: bytes per element on the wire (the format's table)
+DTYPE_BYTES = {short: WIRE_DTYPES[name].bits // 8 for short, name in (("bf16", "bfloat16"), ("fp8", "float8_e4m3fn"))}
 
 # output name: (unit, one line): the outputs every estimate carries, in display order
 OUTPUTS: dict[str, tuple[str, str]] = {

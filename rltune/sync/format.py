@@ -18,10 +18,14 @@ import re
 import stat
 import struct
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rltune.errors import RltuneError
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_VERSION = 2
 MAGIC = b"RLTSYNC\0"
@@ -34,15 +38,64 @@ STEP_DIR_DIGITS = 12
 MANIFEST_NAME = "manifest.json"
 COMPLETE_NAME = "COMPLETE"
 KINDS = ("delta", "anchor", "full")
-DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
 PART_FILE_RE = re.compile(r"^rank-[0-9]{5}\.(delta|anchor)$")
 ATTEMPT_RE = re.compile(r"^[0-9a-f]{16,64}$")
 CHECKSUM2_PRIME = (1 << 31) - 1
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
 _V1_HINT = ("format version 1 has no second checksum and no attempt ids, so a reader cannot tell a republished "
             "or crashed step from the one it holds; this reader implements version 2 only: upgrade the trainer's "
             "rltune and let it publish a full checkpoint")
 _PREFIX = struct.Struct("<8sII")  # magic, format_version, header_len
+
+
+# ------------------------------------------------------------------------------------ element dtypes
+
+
+@dataclass(frozen=True)
+class WireDtype:
+    """One element dtype the format carries: every other table of the sync path is read from these."""
+
+    name: str  # the manifest's tensors.<name>.dtype, and torch's name for the dtype
+    bits: int  # wire bits per element: a tensor's anchor bytes are its elements x bits / 8, little-endian
+    nonfinite: int  # the exponent field: an element whose wire bits set all of it is inf or NaN
+
+
+# float8_e4m3fn has no inf and one NaN pattern, S.1111.111: all seven bits below the sign.
+WIRE_DTYPES: dict[str, WireDtype] = {d.name: d for d in (
+    WireDtype("bfloat16", 16, 0x7F80),
+    WireDtype("float16", 16, 0x7C00),
+    WireDtype("float32", 32, 0x7F800000),
+    WireDtype("float8_e4m3fn", 8, 0x7F),
+    WireDtype("float8_e5m2", 8, 0x7C),
+)}
+DTYPES = tuple(WIRE_DTYPES)
+# The integer that holds one element's wire bits, by width (the same name in numpy and torch): a
+# signed view is read through wire_mask(bits) to its unsigned value.
+BITS_INTEGERS = {8: "uint8", 16: "int16", 32: "int32"}
+
+
+def wire_mask(bits: int) -> int:
+    """The unsigned value of ``bits`` wire bits: ``2**bits - 1``."""
+    return (1 << bits) - 1
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch's name for a dtype without its module (``torch.bfloat16`` -> ``"bfloat16"``): a manifest's name."""
+    return str(dtype).removeprefix("torch.")
+
+
+def wire_dtype(dtype: Any) -> WireDtype | None:
+    """The format's entry for a torch dtype, or None for anything the format does not carry (imports
+    torch, as do the next: only the tensor-side modules call them)."""
+    import torch
+
+    return WIRE_DTYPES.get(dtype_name(dtype)) if isinstance(dtype, torch.dtype) else None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a wire dtype's name."""
+    import torch
+
+    return getattr(torch, WIRE_DTYPES[name].name)
 
 
 class SyncFormatError(RltuneError):
@@ -547,7 +600,7 @@ def check_part_entries(path: Path, header: dict[str, Any], manifest: dict[str, A
         if e["stop"] > numel:
             raise bad(j, e, "stop", f"{e['stop']} > the tensor's {numel} elements")
         if header["kind"] == "anchor":
-            want = (e["stop"] - e["start"]) * _DTYPE_BYTES[t["dtype"]]
+            want = (e["stop"] - e["start"]) * WIRE_DTYPES[t["dtype"]].bits // 8
             if e["length"] != want:
                 raise AnchorCoverError(f"{path}: step {manifest['step']}: entries[{j}] ({e['name']!r}).length: "
                                        f"{e['length']} bytes, elements [{e['start']}, {e['stop']}) of "

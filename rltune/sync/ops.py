@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from rltune.sync.kernels.reference import as_bits, checksum_update_ref, unsigned
+from rltune.sync import format as fmt
+from rltune.sync.kernels.reference import BITS_WIDTH, as_bits, checksum_update_ref, unsigned
 
-WIRE_BITS = {torch.int16: 16, torch.int32: 32, torch.uint8: 8}
+WIRE_BITS = BITS_WIDTH  # wire bits per element of each bits view (int16 / int32 / uint8)
 
 
 def wire_width(bits_tensor: torch.Tensor) -> int:
@@ -67,10 +68,8 @@ def apply_mapped_delta_ref(target_bits_N: torch.Tensor, pos_C: torch.Tensor, dif
     return checksum_update_ref(ckpt_idx_C, old, new)
 
 
-# A value's wire bits hold inf or NaN when all these bits are set: the exponent field (float8_e4m3fn
-# has no inf and its one NaN pattern is S.1111.111, so all seven bits below the sign).
-NONFINITE_BITS = {torch.float32: 0x7F800000, torch.bfloat16: 0x7F80, torch.float16: 0x7C00,
-                  torch.float8_e5m2: 0x7C, torch.float8_e4m3fn: 0x7F}
+# A value's wire bits hold inf or NaN when all of its dtype's nonfinite bits are set (the format's table).
+NONFINITE_BITS = {getattr(torch, w.name): w.nonfinite for w in fmt.WIRE_DTYPES.values() if hasattr(torch, w.name)}
 
 
 def count_nonfinite(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

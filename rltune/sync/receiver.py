@@ -6,10 +6,10 @@ worker holds (while the engine keeps serving); it never raises. ``apply(step)`` 
 TP rank 0 plans (apply one delta, nothing, or reload an anchor and replay the deltas since, with
 older anchors to fall back to) and broadcasts the plan with the attempt id of every step in it;
 every worker follows it; a failure on any worker fails the update on all (one flag reduction per
-phase, so no worker waits in a collective the others left). After each load or apply the group
-checks, per checkpoint tensor, that the sum of the workers' shares of **both** checksums equals
-multiplicity x the trainer's; shares follow deltas in O(changes) and are recomputed in full after
-an anchor load.
+phase, so no worker waits in a collective the others left): the TP-group protocol of
+:mod:`rltune.sync.group`. After each load or apply the group checks, per checkpoint tensor, that the
+sum of the workers' shares of **both** checksums equals multiplicity x the trainer's; shares follow
+deltas in O(changes) and are recomputed in full after an anchor load.
 
 What the receiver holds is named by (run id, step, attempt): a step the trainer republished is
 new content, never "the step already held". Every step in a plan is read from a snapshot of its
@@ -49,6 +49,7 @@ import torch
 from rltune.errors import RltuneError
 from rltune.sync import codec
 from rltune.sync import format as fmt
+from rltune.sync.group import TorchCollectives, TpGroup, as_typed
 from rltune.sync.indexmap import IndexMap, TensorRuns
 from rltune.sync.kernels import checksum_pairs
 from rltune.sync.kernels.reference import (
@@ -64,8 +65,8 @@ from rltune.sync.ops import apply_mapped_delta_ref, wire_width
 from rltune.sync.store import BroadcastStore
 
 ApplyFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], int]
-_BITS_NP = {8: np.dtype("u1"), 16: np.dtype("<i2"), 32: np.dtype("<i4")}
-_DTYPE_BITS = {"bfloat16": 16, "float16": 16, "float32": 32, "float8_e4m3fn": 8, "float8_e5m2": 8}
+# an anchor's little-endian wire bits, by width, as numpy reads them
+_BITS_NP = {bits: np.dtype(name).newbyteorder("<") for bits, name in fmt.BITS_INTEGERS.items()}
 
 
 @dataclass
@@ -83,15 +84,6 @@ class UpdateReport:
     fallbacks: list[dict[str, Any]] = field(default_factory=list)  # anchors that failed before the one loaded
 
 
-def _as_typed(exc: BaseException, what: str) -> RltuneError:
-    """An rltune error as is; anything else as :class:`InternalSyncError` naming it (never a raw exception)."""
-    if isinstance(exc, RltuneError):
-        return exc
-    err = fmt.InternalSyncError(f"{what}: {type(exc).__name__}: {exc}")
-    err.__cause__ = exc
-    return err
-
-
 class DeltaReceiver:
     """One engine worker's view of a broadcast root (see the module docstring)."""
 
@@ -106,6 +98,9 @@ class DeltaReceiver:
                                     "record the map from this engine")
         self.params = [params[n] for n in index_map.param_names]
         self.imap, self.group, self.apply_fn = index_map, group, apply_fn
+        # the TP group's protocol (rltune.sync.group): a process group, or Collectives of the engine's own
+        collectives = group if group is None or hasattr(group, "all_gather_ints") else TorchCollectives(group)
+        self.tp = TpGroup(collectives, on_lost=self._lost)
         self.max_fallbacks = max_fallbacks
         self.step: int | None = None
         self.run_id: str | None = None
@@ -143,61 +138,17 @@ class DeltaReceiver:
 
     @property
     def rank(self) -> int:
-        if self.group is None:
-            return 0
-        import torch.distributed as dist
-        return dist.get_rank(self.group)
+        return self.tp.rank
+
+    def _lost(self) -> None:
+        self.valid = False  # a worker of the group is gone: what it holds can no longer be verified
 
     def _allreduce(self, values: list[int], op: str = "sum") -> list[int]:
-        if self.group is None or not values:
-            return [v & MASK64 for v in values] if op == "sum" else values
-        import torch.distributed as dist
-        signed = [v - (1 << 64) if v >= 1 << 63 else v for v in (x & MASK64 for x in values)]
-        t = torch.tensor(signed, dtype=torch.int64)
-        every = [torch.empty_like(t) for _ in range(dist.get_world_size(self.group))]
-        try:
-            dist.all_gather(every, t, group=self.group)
-        except RuntimeError as exc:  # gloo's time-out or a peer that went away
-            self.valid = False
-            raise fmt.GroupUnreachableError(f"another worker of this TP group did not answer ({exc}); this worker stays "
-                                            "invalid and reloads the latest anchor at its next update") from None
-        columns = list(zip(*(g.tolist() for g in every), strict=True))
-        # the sum is taken modulo 2^64: exactly the checksum ring (checksum2 lanes are small enough to stay exact)
-        return [sum(c) & MASK64 for c in columns] if op == "sum" else [max(c) for c in columns]
-
-    def _broadcast_plan(self, plan: dict | None) -> dict:
-        if self.group is None:
-            return plan
-        import torch.distributed as dist
-        box = [plan]
-        try:
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
-        except RuntimeError as exc:
-            self.valid = False
-            raise fmt.GroupUnreachableError(f"TP rank 0 did not send its plan ({exc}); this worker stays invalid and "
-                                            "reloads the latest anchor at its next update") from None
-        return box[0]
+        return self.tp.all_reduce(values, op)
 
     def _group_phase(self, fn: Callable[[], Any], what: str) -> Any:
-        """Run local work; if it fails on any worker, every worker raises.
-
-        Any exception counts, not only rltune's own: a worker that left the phase without the flag
-        reduction would leave the others waiting in it until the group's time-out. One that is not an
-        rltune error comes out as :class:`~rltune.sync.format.InternalSyncError`.
-        """
-        err: RltuneError | None = None
-        result = None
-        try:
-            result = fn()
-        except Exception as e:  # re-raised below, typed, after every worker has said whether it failed
-            err = _as_typed(e, what)
-        (failed,) = self._allreduce([1 if err else 0], op="max")
-        if err is not None:
-            raise err
-        if failed:
-            raise fmt.UpdateFailedError(f"{what} failed on another worker of this TP group; every worker fails this "
-                                        "update the same way (see that worker's error)")
-        return result
+        """Run local work; if it fails on any worker, every worker raises (:meth:`TpGroup.phase`)."""
+        return self.tp.phase(fn, what)
 
     # ------------------------------------------------------------------------- static checks
 
@@ -239,7 +190,7 @@ class DeltaReceiver:
                 if held:
                     for pid in np.unique(runs.param):
                         p = self.params[int(pid)]
-                        if str(p.dtype).removeprefix("torch.") != t["dtype"] and problem is None:
+                        if fmt.dtype_name(p.dtype) != t["dtype"] and problem is None:
                             problem = fmt.IndexMapError(
                                 f"{where}: tensors.{name}.dtype: the engine parameter {self.imap.param_names[pid]} is "
                                 f"{p.dtype}, the checkpoint {t['dtype']}: casting loads are not patchable in place")
@@ -249,7 +200,7 @@ class DeltaReceiver:
                     possums.append(0)
                 counts.append(held)
         except Exception as e:  # raised after the reductions, which every worker must issue
-            problem = problem or _as_typed(e, f"{where}: static check")
+            problem = problem or as_typed(e, f"{where}: static check")
             counts, possums = [0] * len(names), [0] * len(names)
         counts_all = self._allreduce(counts)
         possums_all = self._allreduce(possums)
@@ -354,7 +305,7 @@ class DeltaReceiver:
                 if targets:
                     mine.append((targets, e))
             for (targets, e), data in zip(mine, fmt.read_entries_bytes(path, start, [e for _, e in mine]), strict=True):
-                held.append((targets, path, e, data, _DTYPE_BITS[m["tensors"][e["name"]]["dtype"]]))
+                held.append((targets, path, e, data, fmt.WIRE_DTYPES[m["tensors"][e["name"]]["dtype"]].bits))
         return held
 
     def _decoded_entries(self, step: int, m: dict):
@@ -455,7 +406,7 @@ class DeltaReceiver:
             self._prefetched = {(m["run_id"], step, m["attempt"]): staged}
             return True
         except Exception as e:  # the contract: a bool, whatever the step holds
-            self.last_prefetch_error = _as_typed(e, f"prefetch of step {step}")
+            self.last_prefetch_error = as_typed(e, f"prefetch of step {step}")
             self._prefetched = {}
             return False
 
@@ -523,16 +474,9 @@ class DeltaReceiver:
             finally:
                 phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
 
-        plan = None
         self._planned = {}
-        if self.rank == 0:
-            try:
-                plan = timed("plan", make_plan)
-            except Exception as e:  # every worker raises rank 0's own error (type and message)
-                plan = dict(error=_as_typed(e, "planning the update"))
-        plan = self._broadcast_plan(plan)
-        if "error" in plan:
-            raise plan["error"]  # nothing was written: the engine stays as it was
+        # every worker raises rank 0's own error (type and message): nothing was written, the engine stays as it was
+        plan = self.tp.decide(lambda: timed("plan", make_plan), "planning the update", sends="its plan")
         report = UpdateReport(plan["action"], plan["target"], phases=phases)
         self._prestaged = report.prestaged
         if plan["action"] == "none":
@@ -652,7 +596,7 @@ class DeltaReceiver:
         for name, runs in self.imap.tensors.items():
             if not runs.held:
                 continue
-            bits = _DTYPE_BITS[m["tensors"][name]["dtype"]]
+            bits = fmt.WIRE_DTYPES[m["tensors"][name]["dtype"]].bits
             pieces = self._read_tensor(name, runs, by_name.get(name, []), bits)
             written = sum(int(src.numel()) for _, _, src in pieces)
             if written != runs.held:

@@ -59,10 +59,6 @@ from rltune.sync.kernels.reference import MASK64, checksum2_add, diff_ref
 from rltune.sync.ops import count_nonfinite, wire_bits, wire_diff, wire_width
 
 DEFAULT_CHUNK_ELEMENTS = DEFAULT_MAX_ELEMENTS
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-for _n in ("float8_e4m3fn", "float8_e5m2"):
-    if hasattr(torch, _n):
-        _DTYPE_NAMES[getattr(torch, _n)] = _n
 
 
 class SignSGD(torch.optim.Optimizer):
@@ -174,7 +170,7 @@ class DeltaPublisherConfig:
             raise bad("differ", f"differ must be auto, triton or torch, got {self.differ!r}")
         if not 0 < self.change_capacity <= 1:
             raise bad("change_capacity", f"change_capacity must be in (0, 1], got {self.change_capacity}")
-        if self.wire_dtype is not None and self.wire_dtype not in _DTYPE_NAMES:
+        if self.wire_dtype is not None and fmt.wire_dtype(self.wire_dtype) is None:
             raise bad("wire_dtype", f"{self.wire_dtype} has no wire format; use torch.bfloat16")
         if self.world > 1 and self.run_id is None:
             raise bad("run_id", f"with world {self.world} every rank must be given the same run_id; a random one "
@@ -247,7 +243,7 @@ class DeltaPublisher:
         self.ranges = {n: self._rank_range(self.tensors[n]) for n in self.names}
         for n in self.names:
             wire = self._wire_dtype(n)
-            if wire not in _DTYPE_NAMES:
+            if fmt.wire_dtype(wire) is None:
                 raise fmt.SyncFormatError(f"tensor {n}: dtype {wire} has no wire format; set wire_dtype=torch.bfloat16")
 
         self._checksums: dict[str, int] = {}  # this rank's checksum share per first name, as published
@@ -309,7 +305,7 @@ class DeltaPublisher:
         for at, name in enumerate(names):
             batch.append(name)
             a, b = self.ranges[name]
-            held += (b - a) * self._wire_dtype(name).itemsize
+            held += (b - a) * fmt.wire_dtype(self._wire_dtype(name)).bits // 8
             if held >= _SHARE_BATCH_BYTES or at == len(names) - 1:
                 shares = [self.tensors[n].detach().reshape(-1)[slice(*self.ranges[n])] for n in batch]
                 pairs = checksum_pairs(shares, [self.ranges[n][0] for n in batch], wire_dtype=self.wire_dtype)
@@ -471,7 +467,7 @@ class DeltaPublisher:
             self._anchors.append(step)
         if self.rank != 0:
             return None
-        tensors = {n: dict(dtype=_DTYPE_NAMES[self._wire_dtype(n)], shape=list(self.tensors[n].shape),
+        tensors = {n: dict(dtype=fmt.wire_dtype(self._wire_dtype(n)).name, shape=list(self.tensors[n].shape),
                            checksum="0", checksum2="0", tied_to=self.tied_to[n]) for n in self.names}
         manifest = store.finalize_step(step_dir, dict(run_id=self.run_id, attempt=attempt, step=step, kind=kind,
                                                       base_step=base_step, base_attempt=base_attempt,
@@ -528,7 +524,7 @@ class DeltaPublisher:
                 idx = torch.cat([p[0] for p in pieces]) if len(pieces) > 1 else pieces[0][0]
                 diff = torch.cat([p[1] for p in pieces]) if len(pieces) > 1 else pieces[0][1]
             # the element width from the wire dtype: casting the whole tensor to read it cost more than the encoding
-            bits = self._wire_dtype(name).itemsize * 8 if hi > lo else 16
+            bits = fmt.wire_dtype(self._wire_dtype(name)).bits if hi > lo else 16
             names.append(name)
             jobs.append((idx.to(torch.int64), diff.to(torch.int64), bits, lo, hi))
         blobs = self._encode(jobs)

@@ -61,17 +61,11 @@ from typing import Any, Literal
 
 from rltune.contracts.schema import FieldProblem, dump_yaml, field, load_yaml, to_data
 from rltune.errors import RltuneError
+from rltune.sync.bench.models import ModelBuilder
 
 READERS_SCHEMA_VERSION = 1
 READERS_RECORD_VERSION = 1
 READERS_PRESET_DIR = Path(__file__).resolve().parents[3] / "presets" / "sync" / "readers"
-
-# name: (vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, tied); None: the workload's tiny preset
-READER_MODELS: dict[str, tuple | None] = {
-    "tiny": None,
-    "40m": (32000, 512, 1536, 8, 8, 4, 64, True),
-    "125m": (32000, 768, 2048, 12, 12, 4, 64, False),
-}
 
 
 class ReadersBenchError(RltuneError):
@@ -163,23 +157,6 @@ class ReadersResult:
 
 
 # ---------------------------------------------------------------------------------------------- shared bits
-
-
-def build_trainer_model(name: str, seed: int):
-    """A randomly initialised bf16 Qwen3 (transformers), the same for a (name, seed)."""
-    import torch
-
-    if READER_MODELS[name] is None:
-        from rltune.workload.model import build_model
-
-        return build_model("tiny", seed, torch.bfloat16, "cpu")
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    v, h, i, n, a, kv, hd, tied = READER_MODELS[name]
-    cfg = Qwen3Config(vocab_size=v, hidden_size=h, intermediate_size=i, num_hidden_layers=n, num_attention_heads=a,
-                      num_key_value_heads=kv, head_dim=hd, max_position_embeddings=1024, tie_word_embeddings=tied)
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(cfg).to(torch.bfloat16)
 
 
 def params_digest(module) -> str:
@@ -364,7 +341,7 @@ def _load() -> list[float]:
 
 
 def _run_trial(cfg: ReadersConfig, storage: str, cache: str, n: int, work: Path, imap_path: Path,
-               say: Callable[[str], None]) -> dict[str, Any]:
+               say: Callable[[str], None], build_model: ModelBuilder) -> dict[str, Any]:
     import torch
 
     from rltune.sync.sender import DeltaPublisher
@@ -387,7 +364,7 @@ def _run_trial(cfg: ReadersConfig, storage: str, cache: str, n: int, work: Path,
     # each other behind other processes made a tiny model's step 10-40x slower
     torch.set_num_threads(1)
     try:
-        model = build_trainer_model(cfg.model, cfg.seed)
+        model = build_model(cfg.model, cfg.seed, torch.bfloat16, "cpu")
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)
         pub = DeltaPublisher(model, opt, root, interval=1 << 30, run_id=f"readers-{tag}",
@@ -620,14 +597,22 @@ def build_readers_record(cfg: ReadersConfig, trials: list[dict[str, Any]], model
                 trials=summaries, all_verified=all_verified)
 
 
-def run_readers_bench(cfg: ReadersConfig, out_dir: str | Path,
-                      progress: Callable[[str], None] | None = None) -> ReadersResult:
-    """Run every (storage, cache, N) trial; write the JSON record and the rows; return them."""
+def run_readers_bench(cfg: ReadersConfig, out_dir: str | Path, progress: Callable[[str], None] | None = None,
+                      build_model: ModelBuilder | None = None) -> ReadersResult:
+    """Run every (storage, cache, N) trial; write the JSON record and the rows; return them.
+
+    ``build_model``: ``(cfg.model, seed, torch.bfloat16, "cpu") -> model``, the command's; by default
+    :func:`rltune.sync.bench.models.build_bench_model`."""
     import pickle
 
+    import torch
+
+    from rltune.sync import format as fmt
+    from rltune.sync.bench.models import build_bench_model
     from rltune.sync.indexmap import IndexMap
     from rltune.sync.toy_engine import ToyEngine, ToyEngineConfig
 
+    build_model = build_model or build_bench_model
     say = progress or (lambda _msg: None)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -639,9 +624,9 @@ def run_readers_bench(cfg: ReadersConfig, out_dir: str | Path,
         raise ReadersBenchError(f"shm_dir {cfg.shm_dir}: no such directory; use storage: [disk] or point shm_dir at a tmpfs")
 
     # the index map is the same for every reader (one TP=1 engine each): recorded once here
-    model = build_trainer_model(cfg.model, cfg.seed)
+    model = build_model(cfg.model, cfg.seed, torch.bfloat16, "cpu")
     engine_cfg = ToyEngineConfig.from_hf(model.config)
-    spec = {n: (list(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in model.state_dict().items()}
+    spec = {n: (list(t.shape), fmt.dtype_name(t.dtype)) for n, t in model.state_dict().items()}
     imap = IndexMap.record(lambda dt: ToyEngine(engine_cfg, dtype=dt), spec)
     imap_path = work / "index-map.pickle"
     with open(imap_path, "wb") as f:
@@ -655,7 +640,7 @@ def run_readers_bench(cfg: ReadersConfig, out_dir: str | Path,
         for cache in (cfg.cache if storage == "disk" else ["warm"]):
             for n in cfg.readers:
                 say(f"trial {storage}/{cache} with {n} readers (load {_load()})")
-                trials.append(_run_trial(cfg, storage, cache, n, work, imap_path, say))
+                trials.append(_run_trial(cfg, storage, cache, n, work, imap_path, say, build_model))
     record = build_readers_record(cfg, trials, model_info)
     rows_path = out_dir / "readers-rows.jsonl"
     with open(rows_path, "w") as f:

@@ -1,6 +1,7 @@
 """The core of ``rltune sync-bench``: weight-sync transports side by side on the same optimizer steps.
 
-One run builds one model (a :mod:`rltune.workload.model` preset, bf16 parameters, random init),
+One run builds one model (by the builder its command hands it: a :mod:`rltune.sync.bench.models`
+spec unless told otherwise; bf16 parameters, random init),
 runs real steps (forward/backward on random token batches, AdamW or SignSGD), and after each step
 hands the same new weights to every transport (:mod:`rltune.sync.transports`, through
 :mod:`rltune.sync.bench.pairs`). Per step and
@@ -39,6 +40,7 @@ from typing import Any, Literal
 
 from rltune.contracts.schema import FieldProblem, dump_yaml, field, load_yaml, to_data
 from rltune.errors import RltuneError
+from rltune.sync.bench.models import ModelBuilder
 
 SYNC_BENCH_SCHEMA_VERSION = 1
 RECORD_SCHEMA_VERSION = 1
@@ -59,7 +61,7 @@ class SyncBenchError(RltuneError):
 class SyncBenchConfig:
     schema_version: int = field(doc="version of this schema (1)")
     name: str = field(doc="name of this setup, recorded with the results")
-    model: Literal["tiny", "small"] = field(doc="rltune.workload.model preset: tiny (CPU, ~0.4 M) or small (~0.5 B)")
+    model: Literal["tiny", "small"] = field(doc="rltune.sync.bench.models spec: tiny (CPU, ~0.4 M) or small (~0.5 B)")
     steps: int = field(doc="optimizer steps measured after the warm-up steps", min=1)
     warmup_steps: int = field(1, doc="first steps run and recorded but left out of the summary", min=0)
     device: Literal["auto", "cpu", "cuda"] = field("auto", doc="trainer and engine device; auto: cuda when present")
@@ -209,24 +211,29 @@ def _bit_equal(expected: dict, actual: dict) -> bool:
     return True
 
 
-def run_sync_bench(cfg: SyncBenchConfig, out_dir: str | Path,
-                   progress: Callable[[str], None] | None = None) -> SyncBenchResult:
-    """Run the benchmark, write its Parquet, JSON record and config under ``out_dir``; return them."""
+def run_sync_bench(cfg: SyncBenchConfig, out_dir: str | Path, progress: Callable[[str], None] | None = None,
+                   build_model: ModelBuilder | None = None) -> SyncBenchResult:
+    """Run the benchmark, write its Parquet, JSON record and config under ``out_dir``; return them.
+
+    ``build_model``: ``(cfg.model, seed, dtype, device) -> model``, the command's; by default
+    :func:`rltune.sync.bench.models.build_bench_model`."""
     import torch
 
     from rltune.contracts.stages import rows_to_table, write_stages
     from rltune.sync import transports as tr
+    from rltune.sync.bench.models import build_bench_model
     from rltune.sync.bench.pairs import BenchContext, BenchTransport, make_bench_transport
+    from rltune.sync.format import torch_dtype
     from rltune.sync.kernels.reference import as_bits
     from rltune.sync.sender import SignSGD
     from rltune.sync.toy_engine import ToyEngine, ToyEngineConfig
-    from rltune.workload.model import build_model, resolve_device, torch_dtype
 
+    build_model = build_model or build_bench_model
     say = progress or (lambda _msg: None)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dump_yaml(cfg, out_dir / "config.yaml")
-    device_name = resolve_device(cfg.device)
+    device_name = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     if device_name == "cuda" and not torch.cuda.is_available():
         raise SyncBenchError("device: cuda asked for but torch sees no GPU; use --device cpu")
     device = torch.device("cuda", 0) if device_name == "cuda" else torch.device("cpu")

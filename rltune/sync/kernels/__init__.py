@@ -39,7 +39,10 @@ import numpy as np
 import torch
 
 from rltune.errors import RltuneError
+from rltune.sync import format as fmt
 from rltune.sync.kernels.reference import (
+    BITS_MASK,
+    BITS_WIDTH,
     MASK64,
     P31,
     apply_deltas_ref,
@@ -53,8 +56,13 @@ from rltune.sync.kernels.reference import (
     unsigned,
 )
 
-_MASK_OF_BITS = {torch.int16: 0xFFFF, torch.int32: 0xFFFFFFFF, torch.uint8: 0xFF}
-_WIDTH_OF_BITS = {torch.int16: 16, torch.int32: 32, torch.uint8: 8}
+# each bits view's mask and width, passed to the Triton kernels as their MASK / WIDTH constexprs
+_MASK_OF_BITS = BITS_MASK
+_WIDTH_OF_BITS = BITS_WIDTH
+# (parameter dtype, wire dtype) pairs the fused AdamW + diff kernel steps: a parameter on its own
+# 16- or 32-bit wire, or float32 parameters sent as bfloat16
+_ADAMW_WIRES = {(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.bfloat16),
+                (torch.float32, torch.float32)}
 _DIFF_MAX_ELEMENTS = (1 << 31) - 1
 
 
@@ -441,8 +449,7 @@ class ChangeSink:
             return hit[1]
         params = lists[0]
         p_dtype = params[0].dtype
-        wire = {(torch.bfloat16, torch.bfloat16): 16, (torch.float16, torch.float16): 16,
-                (torch.float32, torch.bfloat16): 16, (torch.float32, torch.float32): 32}.get((p_dtype, dtype))
+        wire = fmt.wire_dtype(dtype).bits if (p_dtype, dtype) in _ADAMW_WIRES else None
         # torch's fused AdamW itself refuses other layouts (its tensors must share dtype, device and strides)
         laid_out = all(t.dtype == p_dtype and t.device == self.device and t.is_contiguous()
                        for lst in lists for t in lst)

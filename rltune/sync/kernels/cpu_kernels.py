@@ -27,6 +27,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from rltune.sync import format as fmt
+
 _P31 = (1 << 31) - 1
 
 
@@ -304,7 +306,11 @@ def _pair_lanes(bits_N, offset, kind, mask, table_a, table_b):
     return c, a, b
 
 
-_MASKS = {np.dtype("int16"): 0xFFFF, np.dtype("int32"): 0xFFFFFFFF, np.dtype("uint8"): 0xFF}
+# each bits view's mask and width (rltune.sync.format's table); the narrow pass takes up to 16 bits
+_MASKS = {np.dtype(name): fmt.wire_mask(bits) for bits, name in fmt.BITS_INTEGERS.items()}
+_WIDTHS = {np.dtype(name): bits for bits, name in fmt.BITS_INTEGERS.items()}
+_NARROW_MASK = fmt.wire_mask(16)
+_BF16_MASK = fmt.wire_mask(fmt.WIRE_DTYPES["bfloat16"].bits)
 
 # checksum2's weights of positions [0, N), kept for the pair passes: a position's weights never change,
 # and every tensor's positions start at 0 (a rank's share at its rows' offset), so a model's live check
@@ -373,10 +379,10 @@ def checksum_pairs_cpu(bits: list[torch.Tensor], offsets: list[int], threads: in
         if f32:
             if t.dtype != torch.float32:
                 raise TypeError(f"checksum_pairs_cpu: bf16_of_f32 takes float32 tensors, not {t.dtype}")
-            jobs.append((t.detach().reshape(-1).view(torch.int32).numpy(), _F32_AS_BF16, 0xFFFF))
+            jobs.append((t.detach().reshape(-1).view(torch.int32).numpy(), _F32_AS_BF16, _BF16_MASK))
         else:
             view, mask = _view_and_mask(t, "checksum_pairs_cpu")
-            jobs.append((view, _WIDE_BITS if mask > 0xFFFF else _NARROW_BITS, mask))
+            jobs.append((view, _WIDE_BITS if mask > _NARROW_MASK else _NARROW_BITS, mask))
     out: list[tuple[int, int]] = [(0, 0)] * len(jobs)
     sizes = [view.shape[0] for view, _, _ in jobs]
     # only passes worth a second thread keep a table (a few tiny tensors hash faster than one is made)
@@ -564,7 +570,7 @@ def _run_entries(targets, layouts, entry_tensor_E, entry_offsets_E1, idx_C, val_
     val = val_C.to(torch.int32).numpy()
     offsets = entry_offsets_E1.tolist()
     views = [t.reshape(-1).numpy() for t in targets]
-    widths = [{np.dtype("int16"): 16, np.dtype("int32"): 32, np.dtype("uint8"): 8}[v.dtype] for v in views]
+    widths = [_WIDTHS[v.dtype] for v in views]
     entries = entry_tensor_E.tolist()
     checksums, written, mixes = [0] * len(entries), [0] * len(entries), [0] * len(entries)
     write = staged is None

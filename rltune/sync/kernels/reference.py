@@ -38,21 +38,24 @@ from __future__ import annotations
 
 import torch
 
+from rltune.sync import format as fmt
+
 MASK64 = (1 << 64) - 1
 
-# Signed integer view of each element type; the unsigned value is view & mask.
-_BITS_VIEW = {
-    torch.bfloat16: (torch.int16, 0xFFFF),
-    torch.float16: (torch.int16, 0xFFFF),
-    torch.float32: (torch.int32, 0xFFFFFFFF),
-    torch.int16: (torch.int16, 0xFFFF),
-    torch.int32: (torch.int32, 0xFFFFFFFF),
-    torch.uint8: (torch.uint8, 0xFF),
-    torch.int8: (torch.uint8, 0xFF),
-}
-for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"):
-    if hasattr(torch, _name):
-        _BITS_VIEW[getattr(torch, _name)] = (torch.uint8, 0xFF)
+# Every width's integer view (rltune.sync.format.BITS_INTEGERS) and its mask, and the signed integer
+# view of each element type the format carries; the unsigned value is view & mask.
+BITS_WIDTH = {getattr(torch, name): bits for bits, name in fmt.BITS_INTEGERS.items()}
+BITS_MASK = {view: fmt.wire_mask(bits) for view, bits in BITS_WIDTH.items()}
+_BITS_VIEW = {view: (view, mask) for view, mask in BITS_MASK.items()}
+_VIEW_OF_WIDTH = {bits: view for view, bits in BITS_WIDTH.items()}
+for _wire in fmt.WIRE_DTYPES.values():
+    if hasattr(torch, _wire.name):
+        _view = _VIEW_OF_WIDTH[_wire.bits]
+        _BITS_VIEW[getattr(torch, _wire.name)] = (_view, BITS_MASK[_view])
+# not wire dtypes of their own: int8 bytes, and the ue8m0 block scales of fp8 weights (rltune.sync.fp8)
+_BITS_VIEW[torch.int8] = _BITS_VIEW[torch.uint8]
+if hasattr(torch, "float8_e8m0fnu"):
+    _BITS_VIEW[torch.float8_e8m0fnu] = _BITS_VIEW[torch.uint8]
 
 # Elements per chunk when a reference walks a large tensor (bounds its int64 temporaries).
 _CHUNK = 1 << 22
@@ -242,7 +245,7 @@ def diff_extract_ref(old_bits_N: torch.Tensor, new_bits_N: torch.Tensor,
 
 def wrapping_add_bits(old_bits: torch.Tensor, diff: torch.Tensor) -> torch.Tensor:
     """``(u_old + diff) mod 2**width`` in ``old_bits``'s dtype: the add-mode patch of one element."""
-    width = {torch.int16: 16, torch.int32: 32, torch.uint8: 8}[old_bits.dtype]
+    width = BITS_WIDTH[old_bits.dtype]
     u = (unsigned(old_bits) + diff.to(torch.int64)) & ((1 << width) - 1)
     if old_bits.dtype != torch.uint8:
         u = torch.where(u >= (1 << (width - 1)), u - (1 << width), u)
@@ -383,7 +386,7 @@ def adamw_step_ref(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
 
 def _signed_bits(val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # New bits may arrive as unsigned patterns in a wider int; wrap them into the signed view.
-    width = {torch.int16: 16, torch.int32: 32}[dtype]
+    width = BITS_WIDTH[dtype]
     u = val.to(torch.int64) & ((1 << width) - 1)
     return torch.where(u >= (1 << (width - 1)), u - (1 << width), u).to(dtype)
 

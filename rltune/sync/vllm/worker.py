@@ -55,6 +55,7 @@ import torch
 
 from rltune.errors import RltuneError
 from rltune.sync import format as fmt
+from rltune.sync.group import TorchCollectives, TpGroup, as_typed
 
 
 class VllmSyncError(RltuneError):
@@ -218,20 +219,23 @@ class WorkerSync:
         self.model = worker.model_runner.get_model()
         self.device = next(self.model.parameters()).device
         self.group, self.tp_rank, self.tp_size = _tp_group(timeout_s)
+        # attaching follows the TP-group protocol the receiver's updates follow (rltune.sync.group)
+        tp = TpGroup(None if self.group is None else TorchCollectives(self.group),
+                     lost="nothing was loaded on this worker: attach again once every worker of the engine runs")
         store = BroadcastStore(root)
-        step = self._agree(lambda: self._latest(store))
-        manifest = self._agree_phase(lambda: store.manifest(step))
+        step = tp.decide(lambda: self._latest(store), "attaching: finding the latest step", sends="the step to attach to")
+        manifest = tp.phase(lambda: store.manifest(step), f"attaching: reading step {step}'s manifest")
         source = str(store.step_dir(step) / fmt.MANIFEST_NAME)
         spec = {n: (t["shape"], t["dtype"]) for n, t in manifest["tensors"].items()}
         config = worker.vllm_config
         start = time.perf_counter()
-        self.index_map = self._agree_phase(lambda: record_index_map(config, spec, source))
+        self.index_map = tp.phase(lambda: record_index_map(config, spec, source), "attaching: recording the index map")
         self.record_s = time.perf_counter() - start
         self.plain_layers = keep_plain_weights(self.model, config) if self.device.type == "cpu" else 0
         named = dict(self.model.named_parameters())
         self.params = {n: named[n] for n in self.index_map.param_names}
         self.guard = KernelGuard(self.model, self.params)
-        self._agree_phase(self.guard)
+        tp.phase(self.guard, "attaching: checking the parameters the receiver writes")
         # GPU: the fused Triton kernel; CPU: its compiled CPU pass (the torch reference, ~1 µs a change on
         # two cores, would hold the pause for seconds at 100 M parameters)
         fused_backend = "triton" if self.device.type == "cuda" else "numba"
@@ -248,46 +252,6 @@ class WorkerSync:
             raise fmt.ChainError(f"{store.root}: no complete step to attach to; publish the boot checkpoint "
                                  "(DeltaPublisher.publish(0)) before attaching engines")
         return steps[-1]
-
-    def _agree(self, fn):
-        """TP rank 0 computes, every worker gets its answer (or its error)."""
-        out = None
-        if self.tp_rank == 0:
-            try:
-                out = dict(value=fn())
-            except Exception as exc:  # any failure reaches every worker, typed; none waits for a broadcast
-                exc = _typed(exc, "attaching")
-                out = dict(error=type(exc).__name__, message=str(exc))
-        if self.group is not None:
-            import torch.distributed as dist
-
-            box = [out]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
-            out = box[0]
-        if "error" in out:
-            raise _error_class(out["error"])(out["message"])
-        return out["value"]
-
-    def _agree_phase(self, fn):
-        """Every worker runs ``fn``; if it fails on any, it fails on all (with the failing worker's own error)."""
-        err: Exception | None = None
-        result = None
-        try:
-            result = fn()
-        except Exception as exc:  # re-raised below, typed, once every worker has said whether it failed
-            err = _typed(exc, "attaching")
-        failed = err is not None
-        if self.group is not None:
-            import torch.distributed as dist
-
-            any_failed = torch.tensor([1 if failed else 0])
-            dist.all_reduce(any_failed, op=dist.ReduceOp.MAX, group=self.group)  # 1 on every worker once one of the TP group failed to attach
-            failed = bool(any_failed.item())
-        if err is not None:
-            raise err
-        if failed:
-            raise fmt.UpdateFailedError("attaching failed on another worker of this TP group; see its error")
-        return result
 
     # ----------------------------------------------------------------------------------------- calls
 
@@ -360,18 +324,6 @@ def _report(report, receiver) -> dict[str, Any]:
                 fallbacks=list(report.fallbacks), valid=receiver.valid, attempt=receiver.attempt)
 
 
-def _typed(exc: BaseException, what: str) -> RltuneError:
-    if isinstance(exc, RltuneError):
-        return exc
-    return fmt.InternalSyncError(f"{what}: {type(exc).__name__}: {exc}")
-
-
-def _error_class(name: str) -> type[RltuneError]:
-    from rltune.sync.vllm.receiver import error_class
-
-    return error_class(name)
-
-
 # --------------------------------------------------------------------------------------------- the extension
 
 
@@ -403,7 +355,7 @@ def _call(fn, request: str) -> dict[str, Any]:
     try:
         return fn(**args)
     except Exception as exc:  # every failure comes back as a typed result, never as an engine crash
-        exc = _typed(exc, "the worker call")
+        exc = as_typed(exc, "the worker call")
         return dict(ok=False, error=type(exc).__name__, message=str(exc))
 
 
@@ -477,7 +429,7 @@ def parameter_digests(model: torch.nn.Module, tensors: bool = False) -> dict[str
         data = p.detach().contiguous().cpu()
         entry: dict[str, Any] = dict(
             sha256=hashlib.sha256(data.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest(),
-            shape=list(data.shape), dtype=str(data.dtype).removeprefix("torch."))
+            shape=list(data.shape), dtype=fmt.dtype_name(data.dtype))
         if tensors:
             entry["tensor"] = data.clone()
         out[name] = entry
