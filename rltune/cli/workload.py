@@ -51,7 +51,6 @@ def register(app: typer.Typer) -> None:
         overrides: list[str] = typer.Argument(None, help="dotted.key=value overrides"),
         steps: int = typer.Option(None, "--steps", help="steps to run, 1 to 1000000 (default: orchestrator.steps)"),
         run_dir: str = typer.Option(None, "--run-dir", help="output directory (default: runs/workload/<name>-<time>)"),
-        force: bool = typer.Option(False, "--force", help="run into a --run-dir that holds another run's metrics"),
         as_json: bool = typer.Option(False, "--json", help="print a machine-readable summary on stdout"),
     ) -> None:
         import json
@@ -67,20 +66,10 @@ def register(app: typer.Typer) -> None:
 
         check_steps(steps)
         if run_dir is not None:
-            import os
-
-            from rltune.launch.job import RUN_DIR_ENV
-
+            # Only the kind is checked: a job may run the workload into the same directory every time (its
+            # metrics at a fixed path the job's metrics.path names), and rltune's launchers rerun in place.
             check_output(run_dir, inputs=[config], expect="dir", flag="--run-dir",
                          writes=("config.yaml", "metrics.jsonl"))
-            # A run dir rltune made for this job (it names it in the environment) is the job's own, whatever
-            # rltune or an earlier attempt left there; any other that already holds a run's metrics is refused.
-            launched_here = os.environ.get(RUN_DIR_ENV) and Path(os.environ[RUN_DIR_ENV]).resolve() == Path(run_dir).resolve()
-            if not (force or launched_here) and (Path(run_dir) / "metrics.jsonl").exists():
-                from rltune.contracts.outputs import OutputPathError
-
-                raise OutputPathError(f"--run-dir {run_dir}: already holds a run's metrics.jsonl; give --run-dir a new "
-                                      f"directory, or add --force to replace that run")
         cfg = load_workload_config(config, overrides or [])  # fail fast, before any process starts
         if run_dir is None:
             stamp = time.strftime("%Y%m%d-%H%M%S")

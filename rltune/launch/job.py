@@ -32,10 +32,6 @@ from rltune.launch.base import LaunchResult, Submission, result_record, write_re
 from rltune.launch.dialects import render_overrides
 from rltune.launch.launchers import launcher_argv, make_launcher
 
-# Set in a job's environment to the run directory rltune made for it (and may have written launch.json,
-# job.yaml or an earlier attempt's files into): a job writing its outputs there is not overwriting another run.
-RUN_DIR_ENV = "RLTUNE_RUN_DIR"
-
 # Steps a run may be asked for: a count past this is a typo, not a job.
 MAX_STEPS = 1_000_000
 
@@ -175,7 +171,6 @@ def run_job(job: JobSpec, job_path: Path, run_dir: Path, overrides: dict[str, Kn
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = build_argv(job, job_path, run_dir, overrides, steps)
     env = _child_env(job)
-    env[RUN_DIR_ENV] = str(run_dir)  # the job may write into this run dir, whatever rltune left in it
     workdir = workdir_of(job, job_path)
     save_job(resolved_job(job, job_path, overrides, steps), run_dir / JOB_NAME)
     log_path = run_dir / LOG_NAME

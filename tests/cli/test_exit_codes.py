@@ -163,10 +163,6 @@ def test_sync_bench_estimate_exits_done(capsys):
 def test_workload_run_of_one_step_exits_done(tmp_path):
     assert main(["workload", "run", str(WORKLOAD), "--steps", "1", "--run-dir", str(tmp_path / "w")]) == DONE
     assert (tmp_path / "w" / "metrics.jsonl").read_text().count("\n") == 1
-    # the same --run-dir again holds that run's metrics: refused, and the run is left as it was
-    before = (tmp_path / "w" / "metrics.jsonl").read_bytes()
-    assert main(["workload", "run", str(WORKLOAD), "--steps", "1", "--run-dir", str(tmp_path / "w")]) == BAD_INPUT
-    assert (tmp_path / "w" / "metrics.jsonl").read_bytes() == before
 
 
 # -- 4: a job that starts and exits 1 --------------------------------------------------------------------

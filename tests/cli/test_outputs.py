@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 
 from rltune.cli.main import COMMANDS, main
-from rltune.contracts.job import load_job
 from rltune.contracts.outputs import RUN_MARKERS, OutputPathError, check_output, safe_name
-from rltune.tune.preset import write_tuned_preset
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "presets" / "cpu-demo.yaml"
@@ -27,13 +25,21 @@ def test_safe_name_keeps_one_path_part(name, safe):
     assert "/" not in safe_name(name) and safe_name(name) not in (".", "..")
 
 
-def test_a_job_named_with_dots_and_slashes_writes_its_tuned_preset_inside_the_tuned_dir(tmp_path):
-    job = load_job(DEMO)
-    job.name = "../../../../tmp/x"
-    out = tmp_path / "tuned"
-    path = write_tuned_preset(job, DEMO, dict(job.knobs), out, {"speedup": 1.0})
-    assert path == out / "tmp-x.yaml" and path.is_file()
-    assert not (tmp_path.parent / "tmp" / "x.yaml").exists()
+def test_a_job_named_with_dots_and_slashes_is_refused_before_anything_is_written(tmp_path, capsys):
+    """The job file is refused where it is read; the tuned preset's file name goes through safe_name as well."""
+    import yaml
+
+    data = yaml.safe_load(DEMO.read_text())
+    data["name"] = "../../../../tmp/x"
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(data, sort_keys=False))
+    capsys.readouterr()
+    assert main(["auto", str(job), "--workdir", str(tmp_path / "wd"), "--tuned-dir", str(tmp_path / "tuned"),
+                 "--no-live"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{job}: name: '../../../../tmp/x' is not a plain name" in err[0]
+    assert not (tmp_path / "tuned").exists() and not (tmp_path / "wd").exists()
+    assert safe_name(data["name"]) == "tmp-x"
 
 
 # -- check_output, every rule ----------------------------------------------------------------------------
@@ -129,12 +135,12 @@ def test_report_refuses_to_write_over_the_journal_it_reads(tmp_path, capsys):
     (["--steps", "0"], "--steps 0: give a step count from 1 to 1000000"),
     (["--steps", "1000001"], "--steps 1000001: give a step count from 1 to 1000000"),
     (["--steps", "99999999999999999999999"], "--steps 99999999999999999999999: give a step count"),
-    (["--set", "micro_batch_size=abc"], "--set micro_batch_size=abc: micro_batch_size takes an integer"),
-    (["--set", "micro_batch_size=8.5"], "micro_batch_size takes an integer"),
-    (["--set", "packing=1"], "packing takes true or false"),
+    (["--set", "micro_batch_size=abc"], "--set: micro_batch_size: expected an integer, found string 'abc'"),
+    (["--set", "micro_batch_size=8.5"], "--set: micro_batch_size: expected an integer, found 8.5"),
+    (["--set", "packing=1"], "--set: packing: expected true or false, found 1"),
     (["--set", "micro_batch_size=4", "--set", "micro_batch_size=8"],
-     "--set micro_batch_size: given twice (micro_batch_size=4 and micro_batch_size=8)"),
-    (["--set", "no_such_knob=1"], "launch.knob_map: no entry for knob 'no_such_knob'"),
+     "--set: micro_batch_size: given twice (4, then 8); give it once"),
+    (["--set", "no_such_knob=1"], "--set: no_such_knob: not a knob of job 'tiny-math-cpu'"),
 ])
 def test_profile_refuses_flags_it_cannot_use_before_running(argv, says, tmp_path, capsys):
     rc = main(["profile", str(DEMO), "--out", str(tmp_path / "run"), *argv])

@@ -230,14 +230,14 @@ def test_a_neutral_change_passes_and_finished_runs_are_reused(broken, capsys):
 
 def test_a_tuned_job_that_crashes_is_exit_4_with_its_log(broken):
     folder, against, broken_out, _ = broken
-    tuned = _job(folder, "crash", micro_batch_size=0)  # the workload refuses it: the job exits 2
+    tuned = _job(folder, "crash", advantage_sign=2)  # rltune passes it on; the workload refuses it: the job exits 2
     out = folder / "crash-check"
     _reuse_untuned(broken_out, out)
     code = main(["reward-check", str(tuned), "--against", str(against), "--steps", str(STEPS), "--out", str(out)])
     check = load_reward_check(out / REWARD_CHECK_NAME)
     assert code == 4 and check.decision == "failed" and check.band is None
     assert check.reason.startswith("run tuned-s0 failed")
-    assert "trainer.micro_batch_size" in next(r for r in check.runs if r.role == "tuned").error
+    assert "trainer.advantage_sign" in next(r for r in check.runs if r.role == "tuned").error
 
 
 def test_auto_checks_its_tuned_preset_blames_the_knob_of_a_bundle_and_the_report_draws_the_band(broken, tmp_path):
