@@ -65,7 +65,7 @@ def area_info(tmp_path_factory) -> dict:
     write_yaml(fast / "job.yaml", fast_job_data())
     write_yaml(fast / "other.yaml", fast_job_data(base=PRESETS / "cpu-tool-use.yaml", name="another-job"))
     for mode in ("crash", "hang", "nan", "negative", "inf", "huge", "garbage", "empty"):
-        write_yaml(fast / f"job-{mode}.yaml", fast_job_data(mode, timeout_s=3 if mode == "hang" else 30))
+        write_yaml(fast / f"job-{mode}.yaml", fast_job_data(mode, timeout_s=3 if mode == "hang" else 10))
     missing = fast_job_data()
     missing["launch"]["command"] = ["no-such-program-rltune-campaign", "--run-dir", "{run_dir}"]
     write_yaml(fast / "job-missing-program.yaml", missing)

@@ -12,6 +12,9 @@ MODE says how the job behaves:
 - ``nan`` / ``negative`` / ``inf`` / ``huge``: every step's times NaN / negative / inf / 1e300;
 - ``garbage``: lines that are not JSON;
 - ``empty``: exit 0 having written nothing.
+
+A run of more than 100 steps writes 100 and then waits to be stopped, as a long job would: its
+launch time-out ends it, and the metrics file stays small.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ def main(argv: list[str]) -> int:
         if mode == "empty":
             return 0
         for step in range(steps):
+            if step == 100:
+                time.sleep(3600)
             if mode == "crash" and step == 2:
                 print("fake_job: CUDA error: an illegal memory access was encountered", file=sys.stderr)
                 return 1

@@ -103,7 +103,13 @@ def assert_records_intact(before: dict[str, str], tree: Path, contents: dict[str
     assert not lost and not changed, f"recorded data lost: {lost}; changed: {changed}"
 
 
+# Derived caches a command may rebuild: the case library's index of its parts (library.py).
+CACHES = ("/_index.parquet",)
+
+
 def _under(path: str, prefixes: tuple[str, ...]) -> bool:
+    if path.endswith(CACHES):
+        return True
     return any(path == p or path.startswith(p.rstrip("/") + "/") for p in prefixes)
 
 
@@ -111,7 +117,7 @@ def _under(path: str, prefixes: tuple[str, ...]) -> bool:
 # Files
 
 
-def fast_job_data(mode: str = "ok", base: Path = DEMO, name: str | None = None, timeout_s: float = 30) -> dict:
+def fast_job_data(mode: str = "ok", base: Path = DEMO, name: str | None = None, timeout_s: float = 10) -> dict:
     """A real preset whose launch runs ``fake_job.py MODE``: the preset's schema, a job that takes a second."""
     data = yaml.safe_load(base.read_text())
     data["launch"]["command"] = [sys.executable, str(FAKE_JOB), mode, "--run-dir", "{run_dir}"]
@@ -277,7 +283,10 @@ def new_records(before: dict[str, str], tree: Path) -> list[str]:
 
 
 def files_outside(root: Path, area: Path) -> set[str]:
-    return {p for p in snapshot(root) if not (root / p).resolve().is_relative_to(area.resolve())}
+    """Paths of the files under ``root`` that lie outside ``area`` (listed, not hashed)."""
+    area = area.resolve()
+    return {p.relative_to(root).as_posix() for p in Path(root).rglob("*")
+            if not p.is_dir() and not p.resolve().is_relative_to(area)}
 
 
 def copy_area(src: Path, dst: Path) -> Path:

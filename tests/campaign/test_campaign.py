@@ -33,7 +33,7 @@ from .kit import (
 
 CAND = "{candidate}"          # filled in from the fast chain's forecast
 AUTO = ["--rounds", "1", "--trials", "1", "--per-round", "1", "--steps", "3", "--tuned-dir", "tuned", "--no-live"]
-SUBPROCESS_TIMEOUT_S = 60
+SUBPROCESS_TIMEOUT_S = 30
 
 
 def _rel(rel: str) -> str:
@@ -722,7 +722,6 @@ def test_bad_input(case: Case, area: Path, area_info: dict, capsys, monkeypatch)
     assert not escaped, f"written outside the work area: {sorted(escaped)}"
     if case.check is not None:
         case.check(area)
-    assert snapshot(area_info["root"]) == area_info["snapshot"], "the session's shared area changed"
 
 
 def test_the_campaign_is_broad():
@@ -734,3 +733,8 @@ def test_the_campaign_is_broad():
     # a refusal is checked for naming at least its file or flag
     unnamed = [c.id for c in ALL_CASES if c.exit == 2 and not c.names]
     assert not unnamed, unnamed
+
+
+def test_the_shared_area_is_as_the_setup_left_it(area_info):
+    """Every case ran on a copy: the session's own chain and work dir were never touched."""
+    assert snapshot(area_info["root"]) == area_info["snapshot"]
