@@ -687,7 +687,11 @@ ALL_CASES = [_fix_yaml_case(c) for c in
               *_path_cases(), *_overwrite_cases(), *_escape_cases(), *_failing_job_cases(), *_cross_job_cases()]]
 IDS = [c.id for c in ALL_CASES]
 assert len(IDS) == len(set(IDS)), sorted({i for i in IDS if IDS.count(i) > 1})
-SUBPROCESS = ("sync-bench", "workload")   # commands that would run for minutes if they wrongly accepted
+
+
+def _in_subprocess(argv: list[str]) -> bool:
+    """Commands that would run for minutes if they wrongly accepted: killed whole past a time-out."""
+    return (argv[0] in ("sync-bench", "reward-check") and "--estimate" not in argv) or argv[:2] == ["workload", "run"]
 
 
 def _fill(text: str, info: dict) -> str:
@@ -709,7 +713,7 @@ def test_bad_input(case: Case, area: Path, area_info: dict, capsys, monkeypatch)
     cwd = area / case.cwd
     monkeypatch.chdir(cwd)
     monkeypatch.setenv("COLUMNS", "200")
-    if case.argv[0] in SUBPROCESS:
+    if _in_subprocess(case.argv):
         outcome = run_subprocess(case.argv, cwd, SUBPROCESS_TIMEOUT_S)
     else:
         outcome = run_in_process(case.argv, capsys)
