@@ -259,7 +259,7 @@ def assert_outcome(case: Case, outcome: Outcome) -> None:
     if outcome.escaped is not None:
         exc = outcome.escaped
         raise AssertionError(f"traceback: {type(exc).__name__}: {str(exc)[:300]}\n  command: {cmd}")
-    assert outcome.rc is not None, f"hang: {cmd}"
+    assert outcome.rc is not None, f"still running after the time-out (accepted and ran, or hung): {cmd}"
     expected = case.exit if isinstance(case.exit, tuple) else (case.exit,)
     tail = outcome.err.strip().splitlines()[-3:]
     assert outcome.rc in expected, f"wrong exit {outcome.rc} (expected {case.exit}): {cmd}\n  stderr tail: {tail}"

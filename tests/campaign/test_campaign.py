@@ -21,6 +21,7 @@ from .kit import (
     Case,
     assert_outcome,
     assert_records_intact,
+    complete_lines,
     field_name,
     files_outside,
     generic_mutations,
@@ -318,9 +319,25 @@ def _journal_lines(area: Path) -> list[bytes]:
 def _keeps_every_event(area: Path) -> None:
     import json
 
-    events = [json.loads(line) for line in (area / JOURNAL).read_bytes().splitlines() if line.strip()]
+    events = [json.loads(line) for line in complete_lines((area / JOURNAL).read_bytes())]
     assert [e["event"] for e in events[: len(_INFO["events"])]] == [e["event"] for e in _INFO["events"]], (
         "the journal lost a complete event")
+
+
+def _unfinished_without_newline(area: Path) -> None:
+    """Cut the events after the last trial (round end, finish) and that trial's final newline."""
+    lines = _journal_lines(area)
+    last_trial = max(i for i, line in enumerate(lines) if b'"event": "trial"' in line)
+    (area / JOURNAL).write_bytes(b"\n".join(lines[: last_trial + 1]))
+
+
+def _keeps_every_event_but_finish(area: Path) -> None:
+    import json
+
+    kept = [json.loads(line)["event"] for line in complete_lines((area / JOURNAL).read_bytes())]
+    wanted = [e["event"] for e in _INFO["events"]]
+    last_trial = max(i for i, e in enumerate(wanted) if e == "trial")
+    assert kept[: last_trial + 1] == wanted[: last_trial + 1], "the journal lost a complete event"
 
 
 def _corrupt_middle(area: Path) -> None:
@@ -340,6 +357,12 @@ def _journal_cases() -> list[Case]:
         Case("journal-last-line-without-newline-auto-resumes", RESUME, 0, (),
              _mutate_text(JOURNAL, lambda d: d.rstrip(b"\n")), cwd="auto", append_only=(JOURNAL,),
              may_change=("auto/wd/report.html", "auto/tuned/", "auto/wd/savings.yaml"), check=_keeps_every_event,
+             note="valid: a complete last event without a final newline is still an event"),
+        # The same, in a work dir that has not finished: the resume appends after that event.
+        Case("journal-unfinished-last-line-without-newline-auto-resumes", RESUME, 0, (), _unfinished_without_newline,
+             cwd="auto", append_only=(JOURNAL,),
+             may_change=("auto/wd/report.html", "auto/tuned/", "auto/wd/savings.yaml", "auto/wd/rounds/"),
+             check=_keeps_every_event_but_finish,
              note="valid: a complete last event without a final newline is still an event"),
         Case("journal-empty-in-finished-workdir-auto", RESUME, 2, ("journal.jsonl",),
              _mutate_text(JOURNAL, lambda d: b""), cwd="auto"),
@@ -717,15 +740,29 @@ def test_bad_input(case: Case, area: Path, area_info: dict, capsys, monkeypatch)
         outcome = run_subprocess(case.argv, cwd, SUBPROCESS_TIMEOUT_S)
     else:
         outcome = run_in_process(case.argv, capsys)
-    assert_outcome(case, outcome)
-    assert_records_intact(before, area, contents, case.may_change, case.append_only)
+    # Every check runs, so a case that both answers wrongly and loses data says both.
+    problems = []
+    for check in (lambda: assert_outcome(case, outcome),
+                  lambda: assert_records_intact(before, area, contents, case.may_change, case.append_only),
+                  lambda: _refusal_recorded_nothing(outcome, before, area),
+                  lambda: _nothing_outside(root, area, outside),
+                  lambda: case.check(area) if case.check is not None else None):
+        try:
+            check()
+        except AssertionError as exc:
+            problems.append(str(exc).split("\nassert ")[0])
+    assert not problems, "\n".join(problems)
+
+
+def _refusal_recorded_nothing(outcome, before: dict, area: Path) -> None:
     if outcome.rc == 2:
         recorded = new_records(before, area)
         assert not recorded, f"a refused command recorded {recorded}"
+
+
+def _nothing_outside(root: Path, area: Path, outside: set) -> None:
     escaped = files_outside(root, area) - outside
     assert not escaped, f"written outside the work area: {sorted(escaped)}"
-    if case.check is not None:
-        case.check(area)
 
 
 def test_the_campaign_is_broad():
