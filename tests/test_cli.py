@@ -73,6 +73,7 @@ def test_usage_errors_name_the_problem_without_a_traceback_and_exit_2(argv, says
     rc = main(argv)
     err = capsys.readouterr().err
     assert rc == 2 and says in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("rltune: ")
 
 
 def test_console_script_start_up_time():

@@ -55,7 +55,7 @@ def register(app: typer.Typer) -> None:
         check_steps(steps)
         check_steps(reward_check, "--reward-check")
         inputs = [job, knowledge, reward_against]
-        check_output(workdir, inputs=inputs, expect="dir", flag="--workdir")
+        check_output(workdir, inputs=inputs, expect="dir", flag="--workdir", workdir_ok=True)
         check_output(tuned_dir, inputs=inputs, expect="dir", flag="--tuned-dir")
         if library is not None:
             check_output(library, inputs=inputs, expect="dir", flag="--library")

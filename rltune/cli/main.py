@@ -73,7 +73,13 @@ def _run(argv: list[str] | None) -> int:
     except Exception as exc:  # click usage errors carry their own exit code
         usage_errors, aborts = _click_error_types()
         if isinstance(exc, usage_errors):
-            exc.show()
+            if type(exc).__name__ == "NoArgsIsHelpError":  # 'rltune' alone: the help is the answer
+                exc.show()
+                return exc.exit_code
+            # One line like every other refusal, not click's three-line usage block.
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+            print(f"rltune: {exc.format_message()}{hint}", file=sys.stderr)
             return exc.exit_code
         if isinstance(exc, aborts):
             return 1

@@ -25,11 +25,15 @@ Example:
 
 
 def _resolve_job(candidates_path: Path, named: str) -> Path:
+    from rltune.errors import RltuneError
+
     direct = Path(named)
-    if direct.is_absolute() or direct.exists():
+    if direct.exists():
         return direct
     beside = candidates_path.parent / named
-    return beside if beside.exists() else direct
+    if beside.exists():
+        return beside
+    raise RltuneError(f"{candidates_path}: job: {named} does not exist (nor beside the file); pass --job job.yaml")
 
 
 def register(app: typer.Typer) -> None:
@@ -49,8 +53,9 @@ def register(app: typer.Typer) -> None:
         from rltune.contracts.candidates import load_candidates
         from rltune.contracts.forecast import save_forecast
         from rltune.contracts.identity import check_same_job
-        from rltune.contracts.job import load_job
+        from rltune.contracts.job import check_knob_overrides, load_job
         from rltune.contracts.outputs import check_output
+        from rltune.errors import RltuneError
         from rltune.predict.forecast import forecast_candidates
         from rltune.predict.library import (
             CaseLibrary,
@@ -65,7 +70,14 @@ def register(app: typer.Typer) -> None:
         cands = load_candidates(candidates)
         job_path = job or _resolve_job(candidates, cands.job)
         job_spec = load_job(job_path)
-        check_same_job(str(candidates), cands.job_name, job_spec)  # before the baseline is recorded as this job's case
+        # before the baseline is recorded as this job's case: the file is this job's, its knobs the job's kinds
+        check_same_job(str(candidates), cands.job_name, job_spec, str(job_path))
+        check_knob_overrides(job_spec, cands.baseline_knobs, f"{candidates}: baseline_knobs")
+        for number, cand in enumerate(cands.candidates):
+            check_knob_overrides(job_spec, cand.overrides, f"{candidates}: candidates[{number}].overrides")
+        if cands.baseline_dir and not Path(cands.baseline_dir).is_dir():
+            raise RltuneError(f"{candidates}: baseline_dir: {cands.baseline_dir} is not a directory; run 'rltune propose' "
+                              f"again on the diagnosis.yaml inside the baseline's run directory")
         if out is not None:
             check_output(out, inputs=[job_path])
         if not library.is_dir():

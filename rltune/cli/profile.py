@@ -136,6 +136,10 @@ def register(app: typer.Typer) -> None:
             mode = "with --from-logs (nothing runs; the log has the steps it has)"
             refuse_unused("--steps", steps is not None, mode)
             refuse_unused("--set", bool(sets), "with --from-logs (nothing runs, so no knob can change)")
+            from rltune.contracts.job import RL_MODES
+
+            if rl_mode is not None and rl_mode not in RL_MODES:
+                raise RltuneError(f"--rl-mode {rl_mode!r}: expected one of {', '.join(RL_MODES)}")
             if library is not None:
                 raise RltuneError("--library records runs rltune launched; a log read with --from-logs has no job.yaml "
                                   "to make a case from")

@@ -38,12 +38,17 @@ def register(app: typer.Typer) -> None:
         from rltune.contracts.diagnosis import load_diagnosis
         from rltune.contracts.job import load_job
         from rltune.contracts.outputs import check_output
+        from rltune.contracts.rundir import RunDir
+        from rltune.errors import RltuneError
         from rltune.tune.knowledge import load_default_knowledge
         from rltune.tune.propose import propose
 
         check_at_least(max_candidates, 1, "--max", "the number of setups to keep")
         run_dir = diagnosis.resolve().parent
         target = check_output(out or run_dir / "candidates.yaml", inputs=[diagnosis, job, knowledge, untuned])
+        if untuned is not None and not RunDir(untuned).has_stages():
+            raise RltuneError(f"--untuned {untuned}: not a run directory with a stages.parquet; give the run directory "
+                              f"'rltune profile' wrote for the untuned job")
         spec = load_job(job)
         found = load_diagnosis(diagnosis)
         knobs = dict(spec.knobs)

@@ -63,17 +63,18 @@ def register(app: typer.Typer) -> None:
         check_steps(steps)
         if out is not None:
             check_output(out, inputs=[tuned, against, journal], expect="dir", writes=("reward_check.yaml",))
-        plan = plan_reward_check(against, steps, seeds, window)
-        tuned_job = load_job(tuned)
-        check_same_job(str(tuned), tuned_job.name, plan.job)  # a tuned preset keeps its untuned job's name
-        changes = None
-        if journal is not None:
+        journal_state = None
+        if journal is not None:  # read before anything else: a journal rltune cannot read is the first thing to say
             from rltune.tune.journal import read_state
 
             if not journal.is_file():
                 raise RewardCheckInputError(f"{journal}: no such file; give the journal.jsonl of an 'rltune auto' "
                                             f"--workdir, or leave --journal out to undo one knob at a time")
-            changes = kept_changes(read_state(journal), plan.job.knobs, tuned_job.knobs)
+            journal_state = read_state(journal)
+        plan = plan_reward_check(against, steps, seeds, window)
+        tuned_job = load_job(tuned)
+        check_same_job(str(tuned), tuned_job.name, plan.job, str(against))  # a tuned preset keeps its untuned job's name
+        changes = None if journal_state is None else kept_changes(journal_state, plan.job.knobs, tuned_job.knobs)
         if out is None:
             from rltune.launch import new_run_id
 

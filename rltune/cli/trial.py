@@ -60,9 +60,13 @@ def register(app: typer.Typer) -> None:
             check_output(library, inputs=[forecast, job], expect="dir", flag="--library")
         spec = load_job(job)
         predicted = load_forecast(forecast)
-        candidates = load_candidates(_beside(forecast, predicted.candidates_file))
-        check_same_job(str(forecast), predicted.job_name, spec)
-        check_same_job(predicted.candidates_file, candidates.job_name, spec)
+        candidates_path = _beside(forecast, predicted.candidates_file)
+        if not candidates_path.is_file():
+            raise RltuneError(f"{forecast}: candidates_file: {predicted.candidates_file} does not exist (nor beside the "
+                              f"forecast); make the forecast again with 'rltune predict', or put the candidates.yaml back")
+        candidates = load_candidates(candidates_path)
+        check_same_job(str(forecast), predicted.job_name, spec, str(job))
+        check_same_job(str(candidates_path), candidates.job_name, spec, str(job))
         if not candidates.baseline_dir:
             raise RltuneError(f"{predicted.candidates_file}: baseline_dir: not set; run 'rltune propose' on the "
                               f"diagnosis.yaml inside the baseline's run directory")

@@ -51,6 +51,7 @@ def register(app: typer.Typer) -> None:
         overrides: list[str] = typer.Argument(None, help="dotted.key=value overrides"),
         steps: int = typer.Option(None, "--steps", help="steps to run, 1 to 1000000 (default: orchestrator.steps)"),
         run_dir: str = typer.Option(None, "--run-dir", help="output directory (default: runs/workload/<name>-<time>)"),
+        force: bool = typer.Option(False, "--force", help="run into a --run-dir that holds a finished run of rltune's"),
         as_json: bool = typer.Option(False, "--json", help="print a machine-readable summary on stdout"),
     ) -> None:
         import json
@@ -68,8 +69,9 @@ def register(app: typer.Typer) -> None:
         if run_dir is not None:
             # Only the kind is checked: a job may run the workload into the same directory every time (its
             # metrics at a fixed path the job's metrics.path names), and rltune's launchers rerun in place.
-            check_output(run_dir, inputs=[config], expect="dir", flag="--run-dir",
+            check_output(run_dir, inputs=[config], expect="dir", flag="--run-dir", run_ok=True,
                          writes=("config.yaml", "metrics.jsonl"))
+            _refuse_a_finished_run(Path(run_dir), force)
         cfg = load_workload_config(config, overrides or [])  # fail fast, before any process starts
         if run_dir is None:
             stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -119,3 +121,23 @@ def register(app: typer.Typer) -> None:
         print(json.dumps(summary))
 
     app.add_typer(workload, name="workload")
+
+
+def _refuse_a_finished_run(run_dir, force: bool) -> None:
+    """A --run-dir holding a finished run rltune recorded (its stage table, diagnosis or verdict) is not
+    overwritten: unless --force, or rltune launched this job into it (a run redone in place). A directory
+    the job reuses for its own metrics every time holds none of those files and is left to the job."""
+    import os
+    from pathlib import Path
+
+    from rltune.contracts.outputs import OutputPathError
+    from rltune.contracts.rundir import DIAGNOSIS_NAME, RUN_DIR_ENV, STAGES_NAME, VERDICT_NAME
+
+    launched_into = os.environ.get(RUN_DIR_ENV)
+    if force or (launched_into and Path(launched_into).resolve() == Path(run_dir).resolve()):
+        return
+    held = [name for name in (STAGES_NAME, DIAGNOSIS_NAME, VERDICT_NAME) if (Path(run_dir) / name).exists()]
+    if held:
+        raise OutputPathError(f"--run-dir {run_dir}: holds a run rltune recorded ({', '.join(held)}); give --run-dir "
+                              f"a new directory, or add --force to replace that run")
+

@@ -48,6 +48,9 @@ class Candidates:
     job_name: str | None = field(None, doc="name of the job the candidates were composed for; 'rltune predict' and 'rltune trial' refuse the file with another job")
 
     def validate(self) -> None:
+        if not self.baseline_run.strip():
+            raise FieldProblem("baseline_run", "the candidates need their baseline's run id (the run they are forecast "
+                                               "and judged against)")
         seen = set()
         for i, c in enumerate(self.candidates):
             if c.id in seen:

@@ -58,6 +58,10 @@ class Diagnosis:
     job_name: str | None = field(None, doc="name of the job the run was made with (null: read from logs); 'rltune propose' refuses the file with another job")
 
     def validate(self) -> None:
+        if not self.run_id.strip():
+            raise FieldProblem("run_id", "the diagnosed run needs its id (the case library keys runs by it)")
+        if not self.steps_used:
+            raise FieldProblem("steps_used", "no step was diagnosed; profile the run again with more steps")
         for stage, value in self.stage_medians_s.items():
             if value is not None and not 0 <= value <= MAX_STAGE_S:
                 raise FieldProblem(f"stage_medians_s.{stage}", f"expected seconds in [0, {MAX_STAGE_S:g}], found {value:g}")

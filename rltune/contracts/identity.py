@@ -136,16 +136,17 @@ def check_kind(data: Any, file: str, expected: type | str) -> None:
                                        f"{wanted.wanted}")
 
 
-def check_same_job(file: str, artifact_job_name: str | None, job: JobSpec) -> None:
+def check_same_job(file: str, artifact_job_name: str | None, job: JobSpec, job_path: str | None = None) -> None:
     """Refuse a file made for another job than ``job`` (its ``job_name`` differs from ``job.name``).
 
     A file without ``job_name`` (written before rltune recorded it, or from logs with no job) is
-    not checked.
+    not checked. ``job_path`` (the job file the user gave) is named in the message when known.
     """
     if artifact_job_name is None or artifact_job_name == job.name:
         return
+    given = f"the job given ({job_path}) is {job.name!r}" if job_path else f"the job given is {job.name!r}"
     raise OtherJobError(str(file), "job_name",
-                        f"made for job {artifact_job_name!r}, but the job given is {job.name!r}; give the job.yaml of "
+                        f"made for job {artifact_job_name!r}, but {given}; give the job.yaml of "
                         f"{artifact_job_name!r}, or make this file again from a run of {job.name!r}")
 
 

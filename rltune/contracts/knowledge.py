@@ -85,8 +85,8 @@ class KnobInfo:
     description: str = field(doc="what the knob does")
     type: Literal["int", "float", "bool", "str"] = field(doc="value type")
     choices: list[KnobValue] | None = field(None, doc="allowed values, if a fixed set")
-    min: float | None = field(None, doc="smallest value a relative override may reach")
-    max: float | None = field(None, doc="largest value a relative override may reach")
+    min: float | None = field(None, doc="smallest value a relative override may reach", min=-1e12, max=1e12)
+    max: float | None = field(None, doc="largest value a relative override may reach", min=-1e12, max=1e12)
     keys: dict[str, str] = field(default_factory=dict, doc="framework -> its usual config key for this knob (a hint for launch.knob_map)")
 
     def validate(self) -> None:
@@ -149,6 +149,8 @@ class Knowledge:
                 raise FieldProblem(f"problems.{name}", "describe the problem in one line")
         ids = [f.id for f in self.fixes]
         for i, fix in enumerate(self.fixes):
+            if not fix.id.strip():
+                raise FieldProblem(f"fixes[{i}].id", "a fix needs an id (the name candidates and conflicts use)")
             if ids.count(fix.id) > 1:
                 raise FieldProblem(f"fixes[{i}].id", f"duplicate fix id {fix.id!r}")
             if not fix.problems:

@@ -76,14 +76,17 @@ def _blocking_ancestor(path: Path) -> Path | None:
 
 
 def check_output(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike | None] = (), expect: str = "file",
-                 flag: str = "--out", force: bool = False, writes: Iterable[str] = ()) -> Path:
+                 flag: str = "--out", force: bool = False, writes: Iterable[str] = (), run_ok: bool = False,
+                 workdir_ok: bool = False) -> Path:
     """Refuse ``path`` as an output unless writing it loses nothing; return it as a :class:`Path`.
 
     ``inputs`` are the files and directories the command reads (``None`` entries are skipped);
     ``expect`` is ``"file"``, ``"dir"`` or ``"run_dir"`` (a directory that becomes one run's
     directory); ``flag`` names the option in messages; ``force`` lets a run directory replace
     another run's (it never lets an output replace an input); ``writes`` are the names a directory
-    output receives, so an input among them is refused too.
+    output receives, so an input among them is refused too. A plain directory output (``"dir"``) is
+    never a recorded run's directory (unless ``run_ok``: a job writing into the run dir rltune made
+    for it) nor an ``auto`` work dir (unless ``workdir_ok``: ``auto --workdir`` resuming one).
     """
     if expect not in KINDS:
         raise ValueError(f"expect must be one of {KINDS}, not {expect!r}")
@@ -112,6 +115,13 @@ def check_output(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike 
             if _same(path / name, source):
                 raise OutputPathError(f"{where}: would replace its input {source} ({name}); "
                                       f"give {flag} another directory")
+    if expect == "dir" and not run_ok and is_run_dir(path):
+        held = ", ".join(name for name in RUN_MARKERS if (path / name).exists())
+        raise OutputPathError(f"{where}: is the directory of a recorded run ({held}); give {flag} a directory of "
+                              f"its own")
+    if expect != "file" and not workdir_ok and (path / "journal.jsonl").exists():
+        raise OutputPathError(f"{where}: is an 'rltune auto' work dir (it holds journal.jsonl); give {flag} a "
+                              f"directory of its own")
     if expect == "run_dir" and not force and is_run_dir(path):
         held = ", ".join(name for name in RUN_MARKERS if (path / name).exists())
         raise OutputPathError(f"{where}: already holds another run ({held}); give {flag} a new directory, "

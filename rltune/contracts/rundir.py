@@ -26,6 +26,10 @@ DIAGNOSIS_NAME = "diagnosis.yaml"
 VERDICT_NAME = "verdict.yaml"
 PARSE_REPORT_NAME = "parse_report.json"
 
+# Set in a launched job's environment to the run directory rltune made for it: the job may write its
+# outputs there, whatever rltune (launch.json, job.yaml) or an earlier attempt of the same run left in it.
+RUN_DIR_ENV = "RLTUNE_RUN_DIR"
+
 # The files whose presence makes a directory a recorded run's: no command writes another run into it.
 RUN_MARKERS = (STAGES_NAME, DIAGNOSIS_NAME, VERDICT_NAME, LAUNCH_NAME)
 
@@ -131,5 +135,5 @@ class RunDir:
         return float(value) if isinstance(value, (int, float)) and value >= 0 else 0.0
 
 
-__all__ = ["DIAGNOSIS_NAME", "JOB_NAME", "LAUNCH_NAME", "LOG_NAME", "PARSE_REPORT_NAME", "RUN_MARKERS", "RunDir",
+__all__ = ["DIAGNOSIS_NAME", "JOB_NAME", "LAUNCH_NAME", "LOG_NAME", "PARSE_REPORT_NAME", "RUN_DIR_ENV", "RUN_MARKERS", "RunDir",
            "STAGES_NAME", "VERDICT_NAME"]

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rltune.contracts.job import JobSpec, KnobValue, save_job
-from rltune.contracts.rundir import JOB_NAME, LOG_NAME
+from rltune.contracts.rundir import JOB_NAME, LOG_NAME, RUN_DIR_ENV
 from rltune.errors import RltuneError
 from rltune.launch.base import RESULT_NAME as RESULT_NAME  # its old home; launch.json is written by base
 from rltune.launch.base import LaunchResult, Submission, result_record, write_record
@@ -171,6 +171,7 @@ def run_job(job: JobSpec, job_path: Path, run_dir: Path, overrides: dict[str, Kn
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = build_argv(job, job_path, run_dir, overrides, steps)
     env = _child_env(job)
+    env[RUN_DIR_ENV] = str(run_dir)
     workdir = workdir_of(job, job_path)
     save_job(resolved_job(job, job_path, overrides, steps), run_dir / JOB_NAME)
     log_path = run_dir / LOG_NAME

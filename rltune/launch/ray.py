@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from rltune.contracts.job import ray_submit_options
+from rltune.contracts.rundir import RUN_DIR_ENV
 from rltune.errors import LaunchError
 from rltune.launch.base import (
     CANCELLED,
@@ -181,6 +182,8 @@ class RayLauncher(Launcher):
         options = ray_submit_options(list(self.spec.ray_args) if self.spec is not None else [])
         runtime_env = dict(options.pop("runtime_env", {}))
         runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **(self.spec.env if self.spec else {})}
+        if RUN_DIR_ENV in submission.env:  # the run dir rltune made for the job, as the local launchers pass it
+            runtime_env["env_vars"][RUN_DIR_ENV] = submission.env[RUN_DIR_ENV]
         metadata = {**options.pop("metadata", {}), "rltune_run": submission.name,
                     "rltune_run_dir": str(submission.run_dir)}
         job_id = f"rltune-{re.sub(r'[^A-Za-z0-9_-]+', '-', submission.name)[:80]}-{secrets.token_hex(3)}"

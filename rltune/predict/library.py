@@ -19,8 +19,10 @@ Loading 1,000 small files costs about a second, so the library keeps ``cases/_in
 a derived cache of every valid case keyed by (file name, size, mtime). A load reads the index,
 reads only files the index does not know, and rewrites the index atomically when anything
 changed. The index is never the truth: delete it and it is rebuilt; if it is corrupt it is
-ignored with a warning. A run file that is corrupt or half-written is reported with a
-:class:`CorruptCaseWarning` naming it and skipped -- never silently used.
+ignored with a warning. A case file cannot be torn by rltune (it is written under a temporary
+name and linked into place whole), so one that cannot be read, or that was copied or renamed by
+hand, was damaged outside rltune: the library refuses to load (:class:`CorruptCaseError`, naming
+the file and the fix) rather than forecast or decide from a library missing a run.
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ if TYPE_CHECKING:
     from rltune.contracts.job import JobSpec
 
 INDEX_NAME = "_index.parquet"
+
+
+class CorruptCaseError(ArtifactError):
+    """A case file in the library cannot be read, or is not where its run id puts it."""
 
 
 class CorruptCaseWarning(UserWarning):
@@ -179,7 +185,9 @@ class CaseLibrary:
 
     def _skip(self, where: str, reason: str) -> None:
         self.skipped.append((where, reason))
-        warnings.warn(CorruptCaseWarning(f"skipped case file {reason}"), stacklevel=3)
+        problem = reason[len(where) + 2:] if reason.startswith(f"{where}: ") else reason
+        raise CorruptCaseError(where, "", f"{problem}; this case file is damaged or was put here by hand: move it out "
+                                          f"of the library ({self.path}) and run again")
 
     def _read_index(self) -> dict[str, dict[str, Any]]:
         import pyarrow as pa
@@ -366,5 +374,5 @@ def as_cases(library: CaseLibrary | list[CaseRecord] | str | os.PathLike) -> lis
     return library.load(statuses=("ok",))
 
 
-__all__ = ["CaseDataError", "CaseLibrary", "CorruptCaseWarning", "DuplicateCaseError", "LibraryMissingError", "as_cases",
+__all__ = ["CaseDataError", "CaseLibrary", "CorruptCaseError", "CorruptCaseWarning", "DuplicateCaseError", "LibraryMissingError", "as_cases",
            "case_file_name", "case_from_run", "job_facts", "record_baseline"]

@@ -38,7 +38,7 @@ from rltune.contracts.diagnosis import Diagnosis, save_diagnosis
 from rltune.contracts.job import JobSpec, KnobValue, load_job
 from rltune.contracts.rundir import DIAGNOSIS_NAME, PARSE_REPORT_NAME, STAGES_NAME
 from rltune.contracts.stages import check_stage_row, rows_to_table, source_of, write_stages
-from rltune.errors import LaunchError, LogFormatError, RltuneError
+from rltune.errors import LaunchError, RltuneError
 from rltune.launch import LaunchResult, resolved_job, run_job
 from rltune.launch.job import metrics_path_of, run_knobs
 from rltune.profile.diagnose import NotDiagnosableError, diagnose, infer_rl_mode
@@ -254,7 +254,8 @@ def profile_job(job_path: str | Path, run_dir: str | Path, steps: int | None = N
     if run.ok:
         return run
     if run.cause in ("no_metrics", "unreadable_metrics"):
-        raise LogFormatError(f"{job_path}: metrics: the job {run.error}")
+        # The job ran and measured nothing rltune can use: the job's failure (exit 4), as a trial records it.
+        raise JobFailedError(f"{job_path}: metrics: the job {run.error}")
     saved = (f"{run.table.num_rows} steps saved in {run.run_dir / STAGES_NAME}" if run.table is not None
              else "no steps recorded")
     log = run.launch.log_path if run.launch is not None else run.run_dir

@@ -153,8 +153,8 @@ class PublishedFigure:
 class ModelSpec:
     schema_version: int = field(doc="version of this schema (1)")
     name: str = field(doc="name of the model and setup")
-    params_total: float = field(doc="parameters (checkpoint elements), all tensors", min=1)
-    params_active: float = field(doc="parameters active per token (recorded; the sync moves all of them)", min=1)
+    params_total: float = field(doc="parameters (checkpoint elements), all tensors", min=1, max=1e15)
+    params_active: float = field(doc="parameters active per token (recorded; the sync moves all of them)", min=1, max=1e15)
     tensors: int = field(doc="checkpoint tensors", min=1)
     changed_fraction: Range = field(doc="share of the elements one optimizer step changes (e.g. 0.005-0.04)")
     step_s: Range = field(doc="training step time, for the sustained storage bandwidth (s)")

@@ -53,7 +53,7 @@ from rltune.contracts.journal import (
 from rltune.contracts.rundir import RunDir
 from rltune.errors import RltuneError
 from rltune.launch.job import check_launch, check_steps, metrics_path_of, run_steps
-from rltune.tune.journal import Journal, JournalError, JournalState, make_event, replay
+from rltune.tune.journal import Journal, JournalError, JournalState, check_recorded_runs, make_event, replay
 from rltune.tune.pick import failed_settings, holds_a_failed_set, limit_breaking_settings, pick
 from rltune.tune.trial import Baseline, measure_run, record_case, run_trial
 
@@ -222,6 +222,7 @@ class AutoLoop:
         if state.start.schema_version > JOURNAL_SCHEMA_VERSION:
             raise JournalError(f"{self.journal.path}: line 1: schema_version: written by a newer rltune (version "
                                f"{state.start.schema_version}; this one reads up to {JOURNAL_SCHEMA_VERSION}); upgrade rltune")
+        check_recorded_runs(state, self._abs)
 
     def run(self) -> AutoResult:
         from rltune.predict.library import CaseLibrary

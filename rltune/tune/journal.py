@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -241,6 +242,35 @@ class JournalState:
         return sum(1 for p in self.proposed if p.round == round_no)
 
 
+def check_recorded_runs(state: JournalState, resolve: Callable[[str], Path], *, missing_ok: bool = False) -> None:
+    """Read every run the journal says finished: each baseline's stage tables, each measured trial's stage
+    tables and (where it is on disk) verdict. A stage table that is missing, or any of these files that
+    cannot be read, is refused (its own located line) before anything acts on the journal's numbers;
+    ``resolve`` turns a journalled path into a directory.
+
+    ``missing_ok`` passes a run directory that is absent as a whole (a record kept without its runs: the
+    report draws from the journal alone), never one whose files are there but damaged.
+    """
+    from rltune.contracts.rundir import RunDir
+
+    def read(run_dir: str, verdict: bool = False) -> None:
+        where = RunDir(resolve(run_dir))
+        if missing_ok and not where.path.exists():
+            return
+        where.table()
+        if verdict and where.verdict_path.exists():  # the journal holds its numbers; a damaged copy is still refused
+            where.verdict()
+
+    for baseline in state.baselines:
+        for run_dir in baseline.all_run_dirs:
+            read(run_dir)
+    for trial in state.trials:
+        if trial.decision == "failed":
+            continue  # a crashed run may have left no stage table: its verdict in the journal is all there is
+        for number, run_dir in enumerate(trial.run_dirs):
+            read(run_dir, verdict=number == 0)
+
+
 def replay(events: list[Event]) -> JournalState:
     """The loop's state from its events, in order (later events of a kind extend or replace earlier ones)."""
     state = JournalState(events=list(events))
@@ -276,4 +306,5 @@ def read_state(path: str | os.PathLike) -> JournalState:
     return replay(Journal(path).events())
 
 
-__all__ = ["JOURNAL_SCHEMA_VERSION", "Journal", "JournalError", "JournalState", "make_event", "read_state", "replay"]
+__all__ = ["JOURNAL_SCHEMA_VERSION", "Journal", "JournalError", "JournalState", "check_recorded_runs", "make_event",
+           "read_state", "replay"]

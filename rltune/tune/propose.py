@@ -121,7 +121,7 @@ def propose(diagnosis: Diagnosis, job: JobSpec, knowledge: Knowledge, *, knobs: 
     ``allow_needs=False`` leaves out fixes that need resources beyond the budget. A diagnosis of
     another job's run is refused (``diagnosis_file`` names it in the message).
     """
-    check_same_job(diagnosis_file or "diagnosis", diagnosis.job_name, job)
+    check_same_job(diagnosis_file or "diagnosis", diagnosis.job_name, job, job_path or None)
     baseline = dict(job.knobs if knobs is None else knobs)
     baseline.setdefault("rl_mode", diagnosis.rl_mode)
     facts = job_facts(job)

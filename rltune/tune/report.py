@@ -19,7 +19,7 @@ from rltune.contracts.journal import event_as_data
 from rltune.contracts.rundir import VERDICT_NAME, RunDir
 from rltune.contracts.schema import atomic_write_text
 from rltune.errors import RltuneError
-from rltune.tune.journal import JournalState, read_state
+from rltune.tune.journal import JournalState, check_recorded_runs, read_state
 from rltune.tune.savings import shares_by_group
 
 # The stages stacked in the per-round bars: they add up to the synchronous step (old_logprob is inside training).
@@ -68,6 +68,8 @@ def collect(workdir: str | Path) -> dict[str, Any]:
         state = read_state(workdir / "journal.jsonl")
         if not state.events:
             raise ReportError(f"{workdir / 'journal.jsonl'}: no events yet; run 'rltune auto' to the first baseline")
+        check_recorded_runs(state, lambda text: Path(text) if Path(text).is_absolute() else workdir / text,
+                            missing_ok=True)
         return _from_state(state)
     if workdir.is_dir():
         return _from_run_dirs(workdir)

@@ -74,7 +74,7 @@ class EnvConfig:
 
 @dataclass
 class TrainerConfig:
-    lr: float = field(1e-4, doc="AdamW learning rate", min=0)
+    lr: float = field(1e-4, doc="AdamW learning rate", min=0, max=10)
     weight_decay: float = field(0.0, doc="AdamW weight decay", min=0)
     micro_batch_size: int = field(8, doc="samples per forward/backward (with packing: packed rows hold up to this many samples)", min=1)
     mini_batches: int = field(1, doc="optimizer steps per batch (>1 makes the old-logprob ratio differ from 1)", min=1)
@@ -132,6 +132,8 @@ class WorkloadConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig, doc="which GPUs train and which serve (the GPU split)")
 
     def validate(self) -> None:
+        if not self.name.strip():
+            raise FieldProblem("name", "give the run a name (it names the default run directory)")
         pl = self.placement
         if pl.split and (pl.trainer_gpus == 0 or pl.rollout_gpus == 0):
             raise FieldProblem("placement.trainer_gpus" if pl.trainer_gpus == 0 else "placement.rollout_gpus",

@@ -658,9 +658,11 @@ def _failing_job_cases() -> list[Case]:
         Case("auto-command-not-on-path", ["auto", "job-missing-program.yaml", "--workdir", "new-wd", *AUTO], 2,
              ("job-missing-program.yaml", "command"), cwd="fast"),
     ]
-    for mode, exits, names in [("crash", 4, ("code 1",)), ("hang", 4, ("time",)), ("empty", 4, ()),
-                               ("nan", (2, 4), ()), ("negative", (2, 4), ()), ("inf", (2, 4), ()),
-                               ("huge", (2, 4), ()), ("garbage", (2, 4), ())]:
+    # A launched job that measured nothing rltune can use failed (4), and says which file and step.
+    for mode, exits, names in [("crash", 4, ("code 1",)), ("hang", 4, ("time",)), ("empty", 4, ("metrics.jsonl",)),
+                               ("nan", 4, ("metrics.jsonl", "step_s")), ("negative", 4, ("metrics.jsonl", "step_s")),
+                               ("inf", 4, ("metrics.jsonl", "step_s")), ("huge", 4, ("metrics.jsonl", "step_s")),
+                               ("garbage", 4, ("metrics.jsonl",))]:
         job = f"job-{mode}.yaml"
         cases += [
             Case(f"profile-job-{mode}", ["profile", job, "--steps", "3", "--out", "new-run", "--library", "cases"],

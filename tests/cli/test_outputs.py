@@ -191,13 +191,13 @@ def test_sync_bench_refuses_cuda_where_torch_sees_no_gpu(tmp_path, capsys):
 
 
 # -- one output convention --------------------------------------------------------------------------------
-def test_a_corrupt_case_is_one_rltune_warning_line(tmp_path, capsys):
+def test_a_corrupt_library_index_is_one_rltune_warning_line(tmp_path, capsys):
     library = tmp_path / "cases"
     library.mkdir()
-    (library / "half-written.parquet").write_bytes(b"PAR1 not a parquet file")
+    (library / "_index.parquet").write_bytes(b"PAR1 not a parquet file")   # a cache: ignored, rebuilt, told
     main(["eval", "--library", str(library)])
     err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if "half-written.parquet" in line]
+    lines = [line for line in err.splitlines() if "_index.parquet" in line]
     assert len(lines) == 1 and lines[0].startswith("rltune: warning: "), err
     assert "CorruptCaseWarning" not in err and "warnings.warn" not in err
 

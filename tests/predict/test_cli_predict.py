@@ -61,15 +61,15 @@ def test_predict_ranks_marks_and_writes_forecast_yaml(setup_files, capsys):
     assert "c-mb4" in captured.err and "forecast against baseline" in captured.err
 
 
-def test_predict_warns_about_a_corrupt_case_and_still_forecasts(setup_files, capsys):
+def test_predict_refuses_a_library_with_a_corrupt_case_naming_it(setup_files, capsys):
     tmp_path, candidates = setup_files
     bad = tmp_path / "cases" / case_file_name("broken")
     bad.write_bytes(b"PAR1 torn write")
     rc = main(["predict", str(candidates), "--library", str(tmp_path / "cases"), "--json"])
     captured = capsys.readouterr()
-    assert rc == 0
-    assert bad.name in captured.err and "skipped" in captured.err
-    assert json.loads(captured.out)["skipped_cases"] == 1
+    assert rc == 2 and captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"rltune: {bad}: ") and "move it out of the library" in lines[0]
 
 
 def test_predict_with_a_missing_candidates_file_is_exit_2(tmp_path, capsys):

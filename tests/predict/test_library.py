@@ -20,6 +20,7 @@ from rltune.predict.library import (
     INDEX_NAME,
     CaseDataError,
     CaseLibrary,
+    CorruptCaseError,
     CorruptCaseWarning,
     DuplicateCaseError,
     case_file_name,
@@ -50,7 +51,7 @@ def test_same_run_twice_is_idempotent_and_a_different_one_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "two_rows", "no_version", "bad_knob_json", "wrong_type"])
-def test_corrupt_file_is_reported_by_name_and_skipped(tmp_path, damage):
+def test_a_corrupt_case_file_refuses_the_library_naming_it(tmp_path, damage):
     lib = CaseLibrary(tmp_path)
     lib.append(make_case("good", rollout=1, training=2, weight_sync=0.1))
     bad = tmp_path / case_file_name("bad")
@@ -69,10 +70,12 @@ def test_corrupt_file_is_reported_by_name_and_skipped(tmp_path, damage):
     else:
         i = table.column_names.index("measured.step_s")
         pq.write_table(table.set_column(i, "measured.step_s", pa.array(["fast"])), bad)
-    with pytest.warns(CorruptCaseWarning, match=bad.name):
-        cases = lib.load()
-    assert [c.run_id for c in cases] == ["good"]
-    assert [path for path, _ in lib.skipped] == [str(bad)]
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if not p.name.startswith("_")}
+    with pytest.raises(CorruptCaseError, match=f"{bad.name}.*move it out of the library"):
+        lib.load()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if not p.name.startswith("_")} == before
+    bad.unlink()                                          # moved out, as the message says: the library loads again
+    assert [c.run_id for c in lib.load()] == ["good"]
 
 
 def test_interrupted_append_leaves_only_a_hidden_temp_file_that_is_never_read(tmp_path):
@@ -115,8 +118,8 @@ def test_renamed_case_file_is_refused(tmp_path):
     lib = CaseLibrary(tmp_path)
     lib.append(make_case("a", rollout=1, training=2, weight_sync=0.1))
     os.rename(tmp_path / case_file_name("a"), tmp_path / "copy.parquet")
-    with pytest.warns(CorruptCaseWarning, match="renamed"):
-        assert lib.load() == []
+    with pytest.raises(CorruptCaseError, match="copy.parquet: holds run 'a'.*renamed by hand"):
+        lib.load()
 
 
 def test_read_case_file_rejects_a_newer_schema(tmp_path):

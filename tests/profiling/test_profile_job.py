@@ -84,10 +84,13 @@ def test_a_crash_raises_with_the_log_tail_and_keeps_the_steps_written(tmp_path):
     assert load_job(tmp_path / "run" / "job.yaml").knobs["crash_after"] == 2
 
 
-def test_a_job_that_writes_no_metrics_is_a_clear_error(tmp_path):
+def test_a_job_that_writes_no_metrics_failed_and_says_where_it_looked(tmp_path):
+    from rltune.profile.run import JobFailedError
+
     path = write_job(tmp_path, "print('trained, but logged nothing')\n")
-    with pytest.raises(LogFormatError, match="metrics.path"):
+    with pytest.raises(JobFailedError, match="metrics.path") as caught:
         profile_job(path, tmp_path / "run", steps=2)
+    assert caught.value.exit_code == 4  # it measured nothing: the job's failure, as a trial of it records
 
 
 class _Metrics(BaseHTTPRequestHandler):
