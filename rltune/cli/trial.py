@@ -71,6 +71,7 @@ def register(app: typer.Typer) -> None:
             raise RltuneError(f"{predicted.candidates_file}: baseline_dir: not set; run 'rltune propose' on the "
                               f"diagnosis.yaml inside the baseline's run directory")
         lib = CaseLibrary(library or predicted.library)
+        lib.load()  # a library that cannot be read is refused here, before the trial runs and appends to it
         if candidate is None:
             pick_fc = _pick(spec, predicted, candidates, lib)
             if pick_fc is None:

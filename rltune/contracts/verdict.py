@@ -14,6 +14,7 @@ from typing import Literal
 
 from rltune.contracts.job import KnobValue
 from rltune.contracts.schema import FieldProblem, dump_yaml, field, load_yaml
+from rltune.contracts.stages import MAX_STAGE_S
 
 VERDICT_SCHEMA_VERSION = 2  # 2: a limit may be not measured (passed: null); mean steps, measured noise
 
@@ -43,17 +44,17 @@ class Verdict:
     reason: str = field(doc="one line: why this decision")
     knobs: dict[str, KnobValue] = field(default_factory=dict, doc="every knob as the trial ran it (the job's knobs with the overrides applied)")
     steps_compared: list[int] = field(default_factory=list, doc="step indices both runs were timed on (warm-up excluded)")
-    baseline_step_s: float | None = field(None, doc="baseline mean step time over steps_compared (what a step costs)")
-    step_s: float | None = field(None, doc="trial mean step time over steps_compared")
-    baseline_median_s: float | None = field(None, doc="baseline median step time over steps_compared, for comparison")
-    median_s: float | None = field(None, doc="trial median step time over steps_compared, for comparison")
+    baseline_step_s: float | None = field(None, doc="baseline mean step time over steps_compared (what a step costs)", min=0, max=MAX_STAGE_S)
+    step_s: float | None = field(None, doc="trial mean step time over steps_compared", min=0, max=MAX_STAGE_S)
+    baseline_median_s: float | None = field(None, doc="baseline median step time over steps_compared, for comparison", min=0, max=MAX_STAGE_S)
+    median_s: float | None = field(None, doc="trial median step time over steps_compared, for comparison", min=0, max=MAX_STAGE_S)
     gain_pct: float | None = field(None, doc="% by which the trial's mean step beats the baseline's (negative: slower)")
     noise_pct: float | None = field(None, doc="% the gain had to exceed: the baseline's measured spread, floored at limits.noise_pct")
     noise_source: str = field("", doc="where noise_pct came from")
     remeasured: bool = field(False, doc="the gain was below the recheck bar (limits.recheck_below_pct, default 2 x the noise), so the trial ran again and both runs count")
     limits: list[LimitCheck] = field(default_factory=list, doc="every limit's value, threshold and pass / fail / not measured")
     stages_s: dict[str, float] = field(default_factory=dict, doc="trial mean seconds per stage over steps_compared")
-    forecast_step_s: float | None = field(None, doc="step time forecast before the run")
+    forecast_step_s: float | None = field(None, doc="step time forecast before the run", min=0, max=MAX_STAGE_S)
     forecast_range_s: list[float] | None = field(None, doc="[low, high] forecast range")
     forecast_error_pct: float | None = field(None, doc="(measured - forecast) / measured, in %")
     within_forecast_range: bool | None = field(None, doc="measured step inside the forecast range; a miss is recorded for recalibration")
@@ -61,6 +62,8 @@ class Verdict:
     run_dirs: list[str] = field(default_factory=list, doc="run directories the trial measured (two when remeasured)")
 
     def validate(self) -> None:
+        if not self.run_id.strip():
+            raise FieldProblem("run_id", "the verdict needs its trial's run id")
         if self.forecast_range_s is not None and (len(self.forecast_range_s) != 2 or self.forecast_range_s[0] > self.forecast_range_s[1]):
             raise FieldProblem("forecast_range_s", f"expected [low, high] with low <= high, found {self.forecast_range_s}")
         if self.decision == "keep" and any(check.passed is False for check in self.limits):

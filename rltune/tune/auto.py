@@ -231,6 +231,8 @@ class AutoLoop:
 
         state = self._state()
         self._check_workdir(state)
+        library = CaseLibrary(self.library_path)
+        library.load()  # a library that cannot be read is refused here, before anything runs or is rewritten
         if state.finish is not None:
             return self._result_from(state.finish)
         # the job as written must start: a reference-workload job the workload (or vLLM) refuses is one line
@@ -238,8 +240,6 @@ class AutoLoop:
         check_workload_job(self.job, self.job_path, None, self.steps)
         check_launch(self.job, self.job_path, None, self.steps)
         knowledge = load_default_knowledge(self.knowledge_path)
-        library = CaseLibrary(self.library_path)
-        library.load()  # a library that cannot be read is refused here, before anything runs
         if state.start is None:
             self._emit("start", job=str(self.job_path), job_name=self.job.name, gpus=self.job.gpus.count,
                        device=self.job.gpus.device, rl_mode=self.job.rl_mode, rounds=self.rounds,
