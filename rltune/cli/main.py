@@ -73,7 +73,7 @@ def _run(argv: list[str] | None) -> int:
     except Exception as exc:  # click usage errors carry their own exit code
         usage_errors, aborts = _click_error_types()
         if isinstance(exc, usage_errors):
-            if type(exc).__name__ == "NoArgsIsHelpError":  # 'rltune' alone: the help is the answer
+            if isinstance(exc, _no_args_help_types()):  # 'rltune' alone: the help is the answer
                 exc.show()
                 return exc.exit_code
             # One line like every other refusal, not click's three-line usage block.
@@ -85,6 +85,19 @@ def _run(argv: list[str] | None) -> int:
             return 1
         raise
     return code if isinstance(code, int) else 0
+
+
+def _no_args_help_types() -> tuple[type, ...]:
+    """click's 'no arguments, so here is the help' error (click >= 8.2; typer may vendor its own)."""
+    import click
+
+    found = [getattr(click.exceptions, "NoArgsIsHelpError", None)]
+    try:
+        from typer._click import exceptions as vendored
+    except ImportError:
+        vendored = None
+    found.append(getattr(vendored, "NoArgsIsHelpError", None))
+    return tuple(t for t in found if isinstance(t, type))
 
 
 def _click_error_types() -> tuple[tuple[type, ...], tuple[type, ...]]:

@@ -180,7 +180,7 @@ def _run_job(job_path: Path, steps, out, sets: list, library: Path | None, vllm_
     from rltune.profile import profile_job
 
     job = load_job(job_path)
-    overrides = check_knob_overrides(job, sets, "--set")
+    overrides = check_knob_overrides(job, sets, f"--set (job {job_path})")
     if vllm_metrics is not None:
         job.metrics.vllm_metrics_url = vllm_metrics  # recorded in the run's resolved job.yaml
     run_dir = out if out is not None else new_run_dir(job.name)

@@ -87,7 +87,9 @@ def test_another_runs_directory_needs_force(tmp_path, marker):
     with pytest.raises(OutputPathError, match=f"already holds another run \\({re.escape(marker)}\\).*--force"):
         check_output(tmp_path, expect="run_dir")
     assert check_output(tmp_path, expect="run_dir", force=True) == tmp_path
-    assert check_output(tmp_path, expect="dir") == tmp_path  # a plain output folder may hold anything
+    with pytest.raises(OutputPathError, match="is the directory of a recorded run"):
+        check_output(tmp_path, expect="dir")            # a plain output folder is never a recorded run's
+    assert check_output(tmp_path, expect="dir", run_ok=True) == tmp_path  # a job's own run dir, as rltune made it
 
 
 def test_force_never_lets_a_run_directory_replace_its_own_input(tmp_path):
@@ -135,12 +137,12 @@ def test_report_refuses_to_write_over_the_journal_it_reads(tmp_path, capsys):
     (["--steps", "0"], "--steps 0: give a step count from 1 to 1000000"),
     (["--steps", "1000001"], "--steps 1000001: give a step count from 1 to 1000000"),
     (["--steps", "99999999999999999999999"], "--steps 99999999999999999999999: give a step count"),
-    (["--set", "micro_batch_size=abc"], "--set: micro_batch_size: expected an integer, found string 'abc'"),
-    (["--set", "micro_batch_size=8.5"], "--set: micro_batch_size: expected an integer, found 8.5"),
-    (["--set", "packing=1"], "--set: packing: expected true or false, found 1"),
+    (["--set", "micro_batch_size=abc"], "cpu-demo.yaml): micro_batch_size: expected an integer, found string 'abc'"),
+    (["--set", "micro_batch_size=8.5"], "cpu-demo.yaml): micro_batch_size: expected an integer, found 8.5"),
+    (["--set", "packing=1"], "cpu-demo.yaml): packing: expected true or false, found 1"),
     (["--set", "micro_batch_size=4", "--set", "micro_batch_size=8"],
-     "--set: micro_batch_size: given twice (4, then 8); give it once"),
-    (["--set", "no_such_knob=1"], "--set: no_such_knob: not a knob of job 'tiny-math-cpu'"),
+     "cpu-demo.yaml): micro_batch_size: given twice (4, then 8); give it once"),
+    (["--set", "no_such_knob=1"], "cpu-demo.yaml): no_such_knob: not a knob of job 'tiny-math-cpu'"),
 ])
 def test_profile_refuses_flags_it_cannot_use_before_running(argv, says, tmp_path, capsys):
     rc = main(["profile", str(DEMO), "--out", str(tmp_path / "run"), *argv])

@@ -170,7 +170,7 @@ def test_cli_profile_json_summary_and_exit_codes(tmp_path, capsys):
     assert summary["diagnosis"]["steps_used"] == [1, 2]
     assert load_job(out / "job.yaml").knobs["micro_batch_size"] == 8
     assert main(["profile", str(path), "--set", "tp_size=2", "--out", str(tmp_path / "x")]) == 2
-    assert "--set: tp_size: not a knob of job 'launch-test'" in capsys.readouterr().err
+    assert f"--set (job {path}): tp_size: not a knob of job 'launch-test'" in capsys.readouterr().err
 
 
 def test_cli_from_logs_writes_table_report_and_diagnosis(tmp_path, capsys):
