@@ -101,14 +101,115 @@ def build_unprocessed_model(vllm_config, dtype: torch.dtype, device: str | torch
             setattr(cc, name, value)
 
 
-def record_index_map(vllm_config, spec: dict[str, tuple[list[int], str]], source: str):
-    """The worker's checkpoint -> parameter map, from vLLM's own ``load_weights`` on float64 placeholders."""
+def record_index_map(vllm_config, spec: dict[str, tuple[list[int], str]], source: str,
+                     serving: torch.nn.Module | None = None):
+    """The worker's checkpoint -> parameter map, from vLLM's own ``load_weights`` on float64 placeholders.
+
+    ``serving``: the engine's own model; the expert weights its fused-MoE kernels repacked after
+    loading are followed through that same repack (:func:`replay_expert_repack`).
+    """
     from vllm.config import set_current_vllm_config
 
     from rltune.sync.indexmap import IndexMap
 
+    post_load = None if serving is None else (lambda placeholder: replay_expert_repack(serving, placeholder))
     with set_current_vllm_config(vllm_config):
-        return IndexMap.record(lambda dt: build_unprocessed_model(vllm_config, dt), spec, torch.float64, source)
+        return IndexMap.record(lambda dt: build_unprocessed_model(vllm_config, dt), spec, torch.float64, source,
+                               post_load=post_load)
+
+
+EXPERT_WEIGHTS = ("w13_weight", "w2_weight")
+_DIGIT_BITS = 8  # integers 0..255 are exact in bf16, fp16 and fp32 alike
+
+
+def fused_experts_of(module: torch.nn.Module | None):
+    """The fused-MoE experts implementation a vLLM MoE layer computes with, or None (not an MoE layer)."""
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is None or not all(hasattr(module, leaf) for leaf in EXPERT_WEIGHTS):
+        return None
+    return experts
+
+
+def expert_repack_sources(experts, shapes: dict[str, torch.Size], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Where the experts' own post-load repack moves each element of ``w13_weight`` and ``w2_weight``.
+
+    For each weight: ``src`` (int64, flat, one entry per element of the repacked weight, whose shape is
+    ``src.shape``) holding the flat index in the loaded weight that the element comes from, or -1 for an
+    element the repack adds (padding). Found by running the repack itself (vLLM's CPU path:
+    ``cpu_prepack_moe_weight``, a tiled interleave) on weights of ``dtype`` whose elements hold one
+    base-256 digit of ``index + 1`` at a time: every value is an integer the dtype holds exactly, so
+    the digits that come out spell where each element came from. A repack that computes with values
+    (any element not a digit, an index twice or not at all) raises :class:`IndexMapError`.
+    """
+    import copy
+
+    from rltune.sync.format import IndexMapError
+
+    largest = max(int(torch.Size(s).numel()) for s in shapes.values())
+    passes = max(1, -(-(largest + 1).bit_length() // _DIGIT_BITS))
+    digits: dict[str, list[torch.Tensor]] = {leaf: [] for leaf in shapes}
+    out_shapes: dict[str, torch.Size] = {}
+    for d in range(passes):
+        stand_in = torch.nn.Module()
+        for leaf, shape in shapes.items():
+            tag = (torch.arange(1, torch.Size(shape).numel() + 1, dtype=torch.int64) >> (_DIGIT_BITS * d)) & 0xFF
+            stand_in.register_parameter(leaf, torch.nn.Parameter(tag.to(dtype).reshape(shape), requires_grad=False))
+        # a copy: the repack may note what it decided on the experts object the engine computes with
+        copy.copy(experts).process_weights_after_loading(stand_in)
+        for leaf in shapes:
+            packed = stand_in.get_parameter(leaf).detach()
+            out_shapes[leaf] = packed.shape
+            digits[leaf].append(packed.reshape(-1).to(torch.float64))
+    sources = {}
+    for leaf, shape in shapes.items():
+        numel = torch.Size(shape).numel()
+        stacked = torch.stack(digits[leaf])
+        if not bool(torch.all((stacked == torch.round(stacked)) & (stacked >= 0) & (stacked < 256))):
+            raise IndexMapError(f"{type(experts).__name__}.process_weights_after_loading computes with the values of "
+                                f"{leaf} (a repacked element is not one of the values loaded); the delta path needs a "
+                                "repack that only moves elements")
+        src = sum(stacked[d].to(torch.int64) << (_DIGIT_BITS * d) for d in range(passes)) - 1
+        moved = src[src >= 0]
+        if len(moved) != numel or not torch.equal(torch.sort(moved).values, torch.arange(numel)):
+            raise IndexMapError(f"{type(experts).__name__}.process_weights_after_loading does not move each element "
+                                f"of {leaf} to exactly one place; the delta path needs one place per element")
+        sources[leaf] = src.reshape(out_shapes[leaf])
+    return sources
+
+
+def replay_expert_repack(serving: torch.nn.Module, placeholder: torch.nn.Module) -> int:
+    """Move the placeholder copy's expert weights the way the serving engine's MoE kernels moved its own.
+
+    vLLM's CPU fused-MoE experts repack ``w13_weight`` and ``w2_weight`` after loading (a tiled layout
+    for its grouped GEMM) and compute from the repacked tensors only; the unprocessed copy the index
+    map is recorded on never ran that. Each MoE layer's repack is replayed on the copy's codes so the
+    map names the positions the engine's kernels read. Returns the MoE layers moved.
+    """
+    from rltune.sync.format import IndexMapError
+
+    serving_modules = dict(serving.named_modules())
+    moved = 0
+    for name, module in placeholder.named_modules():
+        live = serving_modules.get(name)
+        experts = fused_experts_of(live)
+        if experts is None:
+            continue
+        shapes = {leaf: getattr(module, leaf).shape for leaf in EXPERT_WEIGHTS}
+        sources = expert_repack_sources(experts, shapes, getattr(live, EXPERT_WEIGHTS[0]).dtype)
+        for leaf, src in sources.items():
+            held = getattr(live, leaf)
+            if held.shape != src.shape:
+                raise IndexMapError(f"engine parameter {name}.{leaf} is {list(held.shape)}, its experts' repack makes "
+                                    f"{list(src.shape)}: the engine repacked it differently after loading")
+            codes = getattr(module, leaf)
+            flat = codes.data.reshape(-1)
+            out = torch.full((src.numel(),), float("nan"), dtype=flat.dtype)
+            keep = src.reshape(-1) >= 0
+            out[keep] = flat[src.reshape(-1)[keep]]
+            codes.data = out.reshape(src.shape)
+        moved += 1
+    return moved
 
 
 def keep_plain_weights(model: torch.nn.Module, vllm_config) -> int:
@@ -229,7 +330,8 @@ class WorkerSync:
         spec = {n: (t["shape"], t["dtype"]) for n, t in manifest["tensors"].items()}
         config = worker.vllm_config
         start = time.perf_counter()
-        self.index_map = tp.phase(lambda: record_index_map(config, spec, source), "attaching: recording the index map")
+        self.index_map = tp.phase(lambda: record_index_map(config, spec, source, self.model),
+                                  "attaching: recording the index map")
         self.record_s = time.perf_counter() - start
         self.plain_layers = keep_plain_weights(self.model, config) if self.device.type == "cpu" else 0
         named = dict(self.model.named_parameters())
