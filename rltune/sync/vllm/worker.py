@@ -24,6 +24,16 @@ What attaching does, on every worker:
    ``F.linear(x, layer.weight)``, its weight restored from the engine's own checkpoint through the
    same unprocessed instance. Patches and checksums then act on exactly the tensors the kernels
    read. GPU engines compute from ``layer.weight`` as loaded and need none of this.
+   **Fused-MoE experts** are handled the other way round: vLLM's CPU experts repack ``w13_weight``
+   and ``w2_weight`` after loading (``cpu_prepack_moe_weight``, a tiled interleave that moves every
+   element and computes with none), so the index map follows the repack instead of undoing it. The
+   experts' own ``process_weights_after_loading`` is run on weights that spell each element's index
+   in base-256 digits (exact in the weights' dtype), which says where it moves each element; that
+   move is replayed on the unprocessed instance's codes before the map is read off
+   (:func:`replay_expert_repack`). The engine keeps computing with vLLM's own grouped-GEMM kernel,
+   and a patched engine holds the same bytes as a fresh one. The map then has one run per expert
+   element (the interleave leaves no two neighbours adjacent): fine at test sizes, a cost to
+   revisit (a strided run) before models with billions of expert elements.
 4. The latest complete anchor (only the rows this worker holds) and the deltas since, verified.
 
 Before every update writes anything, the worker checks that each parameter it writes is still the
@@ -112,10 +122,18 @@ def record_index_map(vllm_config, spec: dict[str, tuple[list[int], str]], source
 
     from rltune.sync.indexmap import IndexMap
 
+    def placeholder_model(dtype: torch.dtype) -> torch.nn.Module:
+        model = build_unprocessed_model(vllm_config, dtype)
+        # parameters vLLM builds in a dtype of their own (GLM-4.5's float32 router) hold codes too; what the
+        # engine holds them in is read from the serving model (rltune.sync.vllm.casting)
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        return model
+
     post_load = None if serving is None else (lambda placeholder: replay_expert_repack(serving, placeholder))
     with set_current_vllm_config(vllm_config):
-        return IndexMap.record(lambda dt: build_unprocessed_model(vllm_config, dt), spec, torch.float64, source,
-                               post_load=post_load)
+        return IndexMap.record(placeholder_model, spec, torch.float64, source, post_load=post_load)
 
 
 EXPERT_WEIGHTS = ("w13_weight", "w2_weight")
@@ -314,6 +332,7 @@ class WorkerSync:
     def __init__(self, worker, root: str, timeout_s: float, verify: str):
         from rltune.sync.receiver import DeltaReceiver
         from rltune.sync.store import BroadcastStore
+        from rltune.sync.vllm.casting import CastLoads
 
         self.worker = worker
         self.timeout_s = timeout_s
@@ -323,7 +342,8 @@ class WorkerSync:
         # attaching follows the TP-group protocol the receiver's updates follow (rltune.sync.group)
         tp = TpGroup(None if self.group is None else TorchCollectives(self.group),
                      lost="nothing was loaded on this worker: attach again once every worker of the engine runs")
-        store = BroadcastStore(root)
+        self.tp = tp
+        self.store = store = BroadcastStore(root)
         step = tp.decide(lambda: self._latest(store), "attaching: finding the latest step", sends="the step to attach to")
         manifest = tp.phase(lambda: store.manifest(step), f"attaching: reading step {step}'s manifest")
         source = str(store.step_dir(step) / fmt.MANIFEST_NAME)
@@ -336,12 +356,14 @@ class WorkerSync:
         self.plain_layers = keep_plain_weights(self.model, config) if self.device.type == "cpu" else 0
         named = dict(self.model.named_parameters())
         self.params = {n: named[n] for n in self.index_map.param_names}
+        # tensors the engine holds in another dtype than the checkpoint's are loaded by value, not patched
+        receiver_map, self.cast = CastLoads.split(store, self.index_map, named, manifest)
         self.guard = KernelGuard(self.model, self.params)
         tp.phase(self.guard, "attaching: checking the parameters the receiver writes")
         # GPU: the fused Triton kernel; CPU: its compiled CPU pass (the torch reference, ~1 µs a change on
         # two cores, would hold the pause for seconds at 100 M parameters)
         fused_backend = "triton" if self.device.type == "cuda" else "numba"
-        self.receiver = DeltaReceiver(root, self.model, self.index_map, group=self.group, fused=True,
+        self.receiver = DeltaReceiver(root, self.model, receiver_map, group=self.group, fused=True,
                                       fused_backend=fused_backend)
         self.receiver.before_write = self.guard
         self.verify = verify
@@ -358,7 +380,29 @@ class WorkerSync:
     # ----------------------------------------------------------------------------------------- calls
 
     def load_latest(self) -> dict[str, Any]:
-        return _report(self.receiver.load_latest(), self.receiver)
+        if self.cast.names:
+            latest = self.tp.decide(lambda: self._latest(self.store), "loading: finding the latest step",
+                                    sends="the step to load")
+            self._stage_cast(latest)
+        report = self.receiver.load_latest()
+        self._write_cast(report.step)
+        return _report(report, self.receiver)
+
+    def _stage_cast(self, step: int) -> None:
+        """Before anything is written: what ``step`` needs of the cast tensors (every worker, failing together)."""
+        self.tp.phase(lambda: self.cast.stage(step), f"reading the cast tensors of step {step}")
+
+    def _write_cast(self, step: int | None) -> None:
+        if not self.cast.names or step is None:
+            return
+        try:
+            if self.cast.staged_step != step:  # the step moved on between the staging and the receiver's plan
+                self._stage_cast(step)
+            self.cast.write()
+        except Exception:
+            self.receiver.valid = False  # the next update reloads everything, cast tensors included
+            self.cast.forget()
+            raise
 
     def prepare(self, step: int) -> dict[str, Any]:
         self._join_prefetch()
@@ -389,9 +433,14 @@ class WorkerSync:
 
     def update(self, step: int, wait_s: float = 0.0) -> dict[str, Any]:
         prefetch = self._join_prefetch()
+        if self.cast.names:
+            if wait_s > 0:
+                self.store.wait_complete(step, wait_s)
+            self._stage_cast(step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         report = self.receiver.apply(step, wait_s=wait_s)
+        self._write_cast(report.step)
         if self.verify == "full":
             self._verify_full(step)
         if self.device.type == "cuda":
@@ -416,6 +465,7 @@ class WorkerSync:
             raise fmt.ChainError(f"{rx.store.root}: this worker holds no verified step to check (it never loaded one "
                                  "or its last update failed); update or attach first")
         self._verify_full(rx.step)
+        self.cast.verify()
         return dict(step=rx.step, attempt=rx.attempt)
 
 def _report(report, receiver) -> dict[str, Any]:
@@ -487,7 +537,7 @@ class RltuneWorkerExtension:
                 out = dict(ok=True, action="none", step=None, anchor=None, deltas=[], changes=0, seconds=0.0, phases={},
                            anchor_loads=0, deltas_applied=0, fallbacks=[], valid=False, attempt=None)
             out.update(attach_s=time.perf_counter() - start, record_s=state.record_s, tp_rank=state.tp_rank,
-                       tp_size=state.tp_size, plain_layers=state.plain_layers,
+                       tp_size=state.tp_size, plain_layers=state.plain_layers, cast=state.cast.describe(),
                        engine_only={k: v for k, v in state.index_map.engine_only.items()})
             return out
         return _call(attach, request)
@@ -539,5 +589,5 @@ def parameter_digests(model: torch.nn.Module, tensors: bool = False) -> dict[str
 
 
 __all__ = ["EngineWeightsMovedError", "NotAttachedError", "RltuneWorkerExtension", "VllmSyncError", "WorkerSync",
-           "KernelGuard", "build_unprocessed_model", "keep_plain_weights", "parameter_digests",
-           "plain_linear"]
+           "KernelGuard", "build_unprocessed_model", "expert_repack_sources", "fused_experts_of", "keep_plain_weights",
+           "parameter_digests", "plain_linear", "record_index_map", "replay_expert_repack"]
