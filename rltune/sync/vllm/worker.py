@@ -34,7 +34,12 @@ What attaching does, on every worker:
    and a patched engine holds the same bytes as a fresh one. The map then has one run per expert
    element (the interleave leaves no two neighbours adjacent): fine at test sizes, a cost to
    revisit (a strided run) before models with billions of expert elements.
-4. The latest complete anchor (only the rows this worker holds) and the deltas since, verified.
+4. **Cast tensors.** A checkpoint tensor that the engine holds in another dtype (vLLM builds
+   GLM-4.5's router in float32 whatever the checkpoint holds) cannot take a delta of the
+   checkpoint's bits: it leaves the receiver's map and is loaded by value with the loader's own
+   cast, at anchors only; a delta that changes one is refused before anything is written
+   (:mod:`rltune.sync.vllm.casting`).
+5. The latest complete anchor (only the rows this worker holds) and the deltas since, verified.
 
 Before every update writes anything, the worker checks that each parameter it writes is still the
 module's registered parameter, with the same storage and size, and (CPU) that every linear layer
