@@ -183,3 +183,33 @@ def test_a_repack_that_computes_or_duplicates_is_refused_naming_the_weight(repac
 
     with pytest.raises(fmt.IndexMapError, match=problem):
         expert_repack_sources(_Repack(repack), SHAPES, torch.bfloat16)
+
+
+class _Experts(torch.nn.Module):
+    """The smallest engine with a post-load repack: loads one checkpoint tensor as is, then serves it transposed."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.w13_weight = torch.nn.Parameter(torch.empty(2, 3, 5, dtype=dtype), requires_grad=False)
+
+    def load_weights(self, weights):
+        for _, tensor in weights:
+            self.w13_weight.data.copy_(tensor)
+
+
+def test_the_index_map_follows_a_post_load_move_to_the_positions_the_engine_serves_from():
+    from rltune.sync.indexmap import IndexMap
+
+    def transpose(engine):
+        engine.w13_weight.data = engine.w13_weight.data.transpose(-1, -2).contiguous()
+
+    spec = {"experts": ([2, 3, 5], "bfloat16")}
+    plain = IndexMap.record(_Experts, spec, torch.float64)
+    moved = IndexMap.record(_Experts, spec, torch.float64, post_load=transpose)
+    assert len(plain.tensors["experts"].length) == 1  # one run: loaded as is
+    ckpt = torch.arange(30).reshape(2, 3, 5)
+    served = ckpt.transpose(-1, -2).reshape(-1)
+    runs = moved.tensors["experts"]
+    held, _, pos = runs.locate(ckpt.reshape(-1).numpy())
+    assert held.all()
+    assert torch.equal(served[torch.from_numpy(pos)], ckpt.reshape(-1))  # each element found where it is served
