@@ -8,7 +8,7 @@ new ``LLM`` started on the trainer's checkpoint of the same step, its parameters
 loader and repack left them. A second architecture, a random GLM-4.5-style MoE (a dense first
 layer, routed experts beside a shared expert, a float32 router with ``e_score_correction_bias``;
 ``vllm_helpers.GLM_MOE``), goes through the same path at TP 1. On 2 cores: Qwen3 TP 1 ~20 s,
-TP 2 ~1.5 min, GLM ~20 s.
+TP 2 ~1.5 min, GLM ~20 s, the reload case ~20 s.
 """
 
 from __future__ import annotations
@@ -110,6 +110,34 @@ def test_glm_moe_with_a_float32_router_matches_a_fresh_engine_every_step(tmp_pat
     assert boot[0]["model.layers.1.mlp.shared_experts.gate_up_proj.weight"]["dtype"] == "bfloat16"
     assert_same_weights(rx.weights(tensors=True), boot)
     _run_steps(trainer, llm, rx, steps=3, tp=1)  # delta 1, the anchor step 2 (as a delta), delta 3
+
+
+def _reload_weights(worker) -> None:
+    worker.reload_weights(is_checkpoint_format=True)
+
+
+def test_vllms_own_reload_of_a_cpu_moe_engine_is_refused_and_a_new_attach_repairs_the_experts(tmp_path):
+    """vLLM 0.32's ``reload_weights`` on a CPU MoE engine loads the experts in the loaded layout into the
+    repacked tensors and does not repack them again (its second ``process_weights_after_loading`` only
+    copies), so the engine serves other greedy tokens than before from the same checkpoint."""
+    from rltune.sync.vllm.worker import EngineWeightsMovedError
+
+    trainer = MoeTrainer(tmp_path, interval=3)
+    llm = start_engine(trainer.save())
+    rx = _receiver(llm, trainer.root)
+    rx.attach()
+    before = greedy(llm)
+    llm.collective_rpc(_reload_weights)
+    assert greedy(llm) != before, "vLLM's reload kept the experts' layout: this test no longer shows its effect"
+    held = rx.weights(tensors=True)[0]["model.layers.0.mlp.experts.routed_experts.w13_weight"]["tensor"]
+    assert torch.equal(held, trainer.model.model.layers[0].mlp.experts.gate_up_proj.detach())  # loaded, not repacked
+    step = trainer.train()
+    with pytest.raises(EngineWeightsMovedError, match="attach again"):  # its linear layers were repacked too
+        rx.update(step)
+    rx.attach()  # plain linear weights again, and the anchor + delta written where the experts' kernel reads
+    fresh = start_engine(trainer.save())
+    assert greedy(llm) == greedy(fresh)
+    assert_same_weights(rx.weights(tensors=True), reference_weights(fresh))
 
 
 # --------------------------------------------------------------------------------------------- the repack replay
