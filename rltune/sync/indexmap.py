@@ -79,12 +79,16 @@ class IndexMap:
     @classmethod
     def record(cls, build_engine: Callable[[torch.dtype], torch.nn.Module],
                spec: dict[str, tuple[list[int], str]], placeholder_dtype: torch.dtype = torch.int64,
-               source: str = "the checkpoint") -> IndexMap:
+               source: str = "the checkpoint",
+               post_load: Callable[[torch.nn.Module], None] | None = None) -> IndexMap:
         """Record by running ``build_engine(placeholder_dtype).load_weights`` on placeholders.
 
         ``spec``: checkpoint name -> (shape, dtype name), e.g. from a manifest's ``tensors``.
         ``placeholder_dtype``: int64 or float64, the dtype the copy's parameters are built in.
         ``source`` names where ``spec`` came from (a manifest path) in error messages.
+        ``post_load(engine)``: runs on the copy after ``load_weights``, for an engine that moves loaded
+        elements again before it serves (vLLM's CPU fused-MoE repack); it must only move the codes
+        within each parameter (set ``p.data`` of the same parameter objects), never compute with them.
         A parameter of the engine that no checkpoint element reaches raises :class:`IndexMapError`
         (the checkpoint is of another model), as does a tensor the loader refuses.
         """
@@ -118,6 +122,8 @@ class IndexMap:
             raise IndexMapError(f"{source}: the engine's load_weights refused the checkpoint's tensors "
                                 f"({type(exc).__name__}: {exc}); the broadcast is of another model than the engine "
                                 "serves: point the engine at the trainer's broadcast root") from None
+        if post_load is not None:
+            post_load(engine)
         param_names = list(params)
         runs: list[np.ndarray] = []  # rows of (tensor id, checkpoint start, length, parameter id, parameter start)
         engine_only: dict[str, int] = {}

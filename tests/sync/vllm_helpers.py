@@ -92,6 +92,73 @@ class Trainer:
         return path
 
 
+MOE = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+
+
+class MoeTrainer(Trainer):
+    """A real Qwen3-MoE (random init, bf16; :data:`MOE`: 4 experts, top 2, in every layer) trained like
+    :class:`Trainer`. transformers holds the experts fused (``mlp.experts.gate_up_proj`` [E, 2I, H],
+    ``down_proj`` [E, H, I]), so that is what the publisher sends; ``save`` writes the per-expert
+    ``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj`` checkpoint engines boot from."""
+
+    def __init__(self, workdir: Path, interval: int = 3, run_id: str = "vllm-moe-test", seed: int = 0,
+                 lr: float = 1e-3, **config):
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        from rltune.sync.sender import DeltaPublisher
+
+        self.workdir = Path(workdir)
+        self.root = self.workdir / "broadcast"
+        cfg = Qwen3MoeConfig(vocab_size=VOCAB, max_position_embeddings=256, tie_word_embeddings=False,
+                             norm_topk_prob=True, **{**MOE, **config})
+        torch.manual_seed(seed)
+        self.model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, foreach=False)
+        self.pub = DeltaPublisher(self.model, self.opt, self.root, interval, run_id=run_id)
+        self.gen = torch.Generator().manual_seed(seed + 1)
+        self.step = 0
+        self.pub.publish(0)
+        self.save()
+
+
+GLM_MOE = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+               num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+
+
+class GlmMoeTrainer(Trainer):
+    """A real GLM-4.5-style MoE (random init, bf16; :data:`GLM_MOE`: layer 0 dense, layer 1 with 4 routed
+    experts, top 2, one shared expert, a router with ``e_score_correction_bias``) trained like :class:`Trainer`.
+
+    vLLM holds this model's router weight and bias in float32 whatever the checkpoint holds.
+    ``router_fp32``: the trainer keeps the router in float32 too (checkpoint and engine agree), else it
+    is bf16 and the engine casts it. ``train_router``: the optimizer changes the router weight.
+    """
+
+    def __init__(self, workdir: Path, interval: int = 3, run_id: str = "vllm-glm-moe-test", seed: int = 0,
+                 lr: float = 1e-3, router_fp32: bool = False, train_router: bool = True):
+        from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+        from rltune.sync.sender import DeltaPublisher
+
+        self.workdir = Path(workdir)
+        self.root = self.workdir / "broadcast"
+        cfg = Glm4MoeConfig(vocab_size=VOCAB, max_position_embeddings=256, tie_word_embeddings=False, **GLM_MOE)
+        torch.manual_seed(seed)
+        self.model = Glm4MoeForCausalLM(cfg).to(torch.bfloat16)
+        self.router = self.model.model.layers[1].mlp.gate
+        if router_fp32:
+            self.router.float()
+        self.router.weight.requires_grad_(train_router)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, foreach=False)
+        self.pub = DeltaPublisher(self.model, self.opt, self.root, interval, run_id=run_id)
+        self.gen = torch.Generator().manual_seed(seed + 1)
+        self.step = 0
+        self.pub.publish(0)
+        self.save()
+
+
 def start_engine(model_dir: Path, tp: int = 1, extension: bool = True):
     from vllm import LLM
 

@@ -44,9 +44,9 @@ def error_class(name: str) -> type[RltuneError]:
     """The rltune error class called ``name`` (what a worker reported), or RltuneError."""
     from rltune.sync import format as fmt
     from rltune.sync import kernels
-    from rltune.sync.vllm import worker
+    from rltune.sync.vllm import casting, worker
 
-    for module in (fmt, worker, kernels):
+    for module in (fmt, worker, casting, kernels):
         cls = getattr(module, name, None)
         if isinstance(cls, type) and issubclass(cls, RltuneError):
             return cls

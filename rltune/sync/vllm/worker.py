@@ -24,7 +24,22 @@ What attaching does, on every worker:
    ``F.linear(x, layer.weight)``, its weight restored from the engine's own checkpoint through the
    same unprocessed instance. Patches and checksums then act on exactly the tensors the kernels
    read. GPU engines compute from ``layer.weight`` as loaded and need none of this.
-4. The latest complete anchor (only the rows this worker holds) and the deltas since, verified.
+   **Fused-MoE experts** are handled the other way round: vLLM's CPU experts repack ``w13_weight``
+   and ``w2_weight`` after loading (``cpu_prepack_moe_weight``, a tiled interleave that moves every
+   element and computes with none), so the index map follows the repack instead of undoing it. The
+   experts' own ``process_weights_after_loading`` is run on weights that spell each element's index
+   in base-256 digits (exact in the weights' dtype), which says where it moves each element; that
+   move is replayed on the unprocessed instance's codes before the map is read off
+   (:func:`replay_expert_repack`). The engine keeps computing with vLLM's own grouped-GEMM kernel,
+   and a patched engine holds the same bytes as a fresh one. The map then has one run per expert
+   element (the interleave leaves no two neighbours adjacent): fine at test sizes, a cost to
+   revisit (a strided run) before models with billions of expert elements.
+4. **Cast tensors.** A checkpoint tensor that the engine holds in another dtype (vLLM builds
+   GLM-4.5's router in float32 whatever the checkpoint holds) cannot take a delta of the
+   checkpoint's bits: it leaves the receiver's map and is loaded by value with the loader's own
+   cast, at anchors only; a delta that changes one is refused before anything is written
+   (:mod:`rltune.sync.vllm.casting`).
+5. The latest complete anchor (only the rows this worker holds) and the deltas since, verified.
 
 Before every update writes anything, the worker checks that each parameter it writes is still the
 module's registered parameter, with the same storage and size, and (CPU) that every linear layer
@@ -101,14 +116,123 @@ def build_unprocessed_model(vllm_config, dtype: torch.dtype, device: str | torch
             setattr(cc, name, value)
 
 
-def record_index_map(vllm_config, spec: dict[str, tuple[list[int], str]], source: str):
-    """The worker's checkpoint -> parameter map, from vLLM's own ``load_weights`` on float64 placeholders."""
+def record_index_map(vllm_config, spec: dict[str, tuple[list[int], str]], source: str,
+                     serving: torch.nn.Module | None = None):
+    """The worker's checkpoint -> parameter map, from vLLM's own ``load_weights`` on float64 placeholders.
+
+    ``serving``: the engine's own model; the expert weights its fused-MoE kernels repacked after
+    loading are followed through that same repack (:func:`replay_expert_repack`).
+    """
     from vllm.config import set_current_vllm_config
 
     from rltune.sync.indexmap import IndexMap
 
+    def placeholder_model(dtype: torch.dtype) -> torch.nn.Module:
+        model = build_unprocessed_model(vllm_config, dtype)
+        # parameters vLLM builds in a dtype of their own (GLM-4.5's float32 router) hold codes too; what the
+        # engine holds them in is read from the serving model (rltune.sync.vllm.casting)
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        return model
+
+    post_load = None if serving is None else (lambda placeholder: replay_expert_repack(serving, placeholder))
     with set_current_vllm_config(vllm_config):
-        return IndexMap.record(lambda dt: build_unprocessed_model(vllm_config, dt), spec, torch.float64, source)
+        return IndexMap.record(placeholder_model, spec, torch.float64, source, post_load=post_load)
+
+
+EXPERT_WEIGHTS = ("w13_weight", "w2_weight")
+_DIGIT_BITS = 8  # integers 0..255 are exact in bf16, fp16 and fp32 alike
+
+
+def fused_experts_of(module: torch.nn.Module | None):
+    """The fused-MoE experts implementation a vLLM MoE layer computes with, or None (not an MoE layer)."""
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is None or not all(hasattr(module, leaf) for leaf in EXPERT_WEIGHTS):
+        return None
+    return experts
+
+
+def expert_repack_sources(experts, shapes: dict[str, torch.Size], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Where the experts' own post-load repack moves each element of ``w13_weight`` and ``w2_weight``.
+
+    For each weight: ``src`` (int64, flat, one entry per element of the repacked weight, whose shape is
+    ``src.shape``) holding the flat index in the loaded weight that the element comes from, or -1 for an
+    element the repack adds (padding). Found by running the repack itself (vLLM's CPU path:
+    ``cpu_prepack_moe_weight``, a tiled interleave) on weights of ``dtype`` whose elements hold one
+    base-256 digit of ``index + 1`` at a time: every value is an integer the dtype holds exactly, so
+    the digits that come out spell where each element came from. A repack that computes with values
+    (any element not a digit, an index twice or not at all) raises :class:`IndexMapError`.
+    """
+    import copy
+
+    from rltune.sync.format import IndexMapError
+
+    largest = max(int(torch.Size(s).numel()) for s in shapes.values())
+    passes = max(1, -(-(largest + 1).bit_length() // _DIGIT_BITS))
+    digits: dict[str, list[torch.Tensor]] = {leaf: [] for leaf in shapes}
+    out_shapes: dict[str, torch.Size] = {}
+    for d in range(passes):
+        stand_in = torch.nn.Module()
+        for leaf, shape in shapes.items():
+            tag = (torch.arange(1, torch.Size(shape).numel() + 1, dtype=torch.int64) >> (_DIGIT_BITS * d)) & 0xFF
+            stand_in.register_parameter(leaf, torch.nn.Parameter(tag.to(dtype).reshape(shape), requires_grad=False))
+        # a copy: the repack may note what it decided on the experts object the engine computes with
+        copy.copy(experts).process_weights_after_loading(stand_in)
+        for leaf in shapes:
+            packed = stand_in.get_parameter(leaf).detach()
+            out_shapes[leaf] = packed.shape
+            digits[leaf].append(packed.reshape(-1).to(torch.float64))
+    sources = {}
+    for leaf, shape in shapes.items():
+        numel = torch.Size(shape).numel()
+        stacked = torch.stack(digits[leaf])
+        if not bool(torch.all((stacked == torch.round(stacked)) & (stacked >= 0) & (stacked < 256))):
+            raise IndexMapError(f"{type(experts).__name__}.process_weights_after_loading computes with the values of "
+                                f"{leaf} (a repacked element is not one of the values loaded); the delta path needs a "
+                                "repack that only moves elements")
+        src = sum(stacked[d].to(torch.int64) << (_DIGIT_BITS * d) for d in range(passes)) - 1
+        moved = src[src >= 0]
+        if len(moved) != numel or not torch.equal(torch.sort(moved).values, torch.arange(numel)):
+            raise IndexMapError(f"{type(experts).__name__}.process_weights_after_loading does not move each element "
+                                f"of {leaf} to exactly one place; the delta path needs one place per element")
+        sources[leaf] = src.reshape(out_shapes[leaf])
+    return sources
+
+
+def replay_expert_repack(serving: torch.nn.Module, placeholder: torch.nn.Module) -> int:
+    """Move the placeholder copy's expert weights the way the serving engine's MoE kernels moved its own.
+
+    vLLM's CPU fused-MoE experts repack ``w13_weight`` and ``w2_weight`` after loading (a tiled layout
+    for its grouped GEMM) and compute from the repacked tensors only; the unprocessed copy the index
+    map is recorded on never ran that. Each MoE layer's repack is replayed on the copy's codes so the
+    map names the positions the engine's kernels read. Returns the MoE layers moved.
+    """
+    from rltune.sync.format import IndexMapError
+
+    serving_modules = dict(serving.named_modules())
+    moved = 0
+    for name, module in placeholder.named_modules():
+        live = serving_modules.get(name)
+        experts = fused_experts_of(live)
+        if experts is None:
+            continue
+        shapes = {leaf: getattr(module, leaf).shape for leaf in EXPERT_WEIGHTS}
+        sources = expert_repack_sources(experts, shapes, getattr(live, EXPERT_WEIGHTS[0]).dtype)
+        for leaf, src in sources.items():
+            held = getattr(live, leaf)
+            if held.shape != src.shape:
+                raise IndexMapError(f"engine parameter {name}.{leaf} is {list(held.shape)}, its experts' repack makes "
+                                    f"{list(src.shape)}: the engine repacked it differently after loading")
+            codes = getattr(module, leaf)
+            flat = codes.data.reshape(-1)
+            out = torch.full((src.numel(),), float("nan"), dtype=flat.dtype)
+            keep = src.reshape(-1) >= 0
+            out[keep] = flat[src.reshape(-1)[keep]]
+            codes.data = out.reshape(src.shape)
+        moved += 1
+    return moved
 
 
 def keep_plain_weights(model: torch.nn.Module, vllm_config) -> int:
@@ -213,6 +337,7 @@ class WorkerSync:
     def __init__(self, worker, root: str, timeout_s: float, verify: str):
         from rltune.sync.receiver import DeltaReceiver
         from rltune.sync.store import BroadcastStore
+        from rltune.sync.vllm.casting import CastLoads
 
         self.worker = worker
         self.timeout_s = timeout_s
@@ -222,24 +347,28 @@ class WorkerSync:
         # attaching follows the TP-group protocol the receiver's updates follow (rltune.sync.group)
         tp = TpGroup(None if self.group is None else TorchCollectives(self.group),
                      lost="nothing was loaded on this worker: attach again once every worker of the engine runs")
-        store = BroadcastStore(root)
+        self.tp = tp
+        self.store = store = BroadcastStore(root)
         step = tp.decide(lambda: self._latest(store), "attaching: finding the latest step", sends="the step to attach to")
         manifest = tp.phase(lambda: store.manifest(step), f"attaching: reading step {step}'s manifest")
         source = str(store.step_dir(step) / fmt.MANIFEST_NAME)
         spec = {n: (t["shape"], t["dtype"]) for n, t in manifest["tensors"].items()}
         config = worker.vllm_config
         start = time.perf_counter()
-        self.index_map = tp.phase(lambda: record_index_map(config, spec, source), "attaching: recording the index map")
+        self.index_map = tp.phase(lambda: record_index_map(config, spec, source, self.model),
+                                  "attaching: recording the index map")
         self.record_s = time.perf_counter() - start
         self.plain_layers = keep_plain_weights(self.model, config) if self.device.type == "cpu" else 0
         named = dict(self.model.named_parameters())
         self.params = {n: named[n] for n in self.index_map.param_names}
+        # tensors the engine holds in another dtype than the checkpoint's are loaded by value, not patched
+        receiver_map, self.cast = CastLoads.split(store, self.index_map, named, manifest)
         self.guard = KernelGuard(self.model, self.params)
         tp.phase(self.guard, "attaching: checking the parameters the receiver writes")
         # GPU: the fused Triton kernel; CPU: its compiled CPU pass (the torch reference, ~1 µs a change on
         # two cores, would hold the pause for seconds at 100 M parameters)
         fused_backend = "triton" if self.device.type == "cuda" else "numba"
-        self.receiver = DeltaReceiver(root, self.model, self.index_map, group=self.group, fused=True,
+        self.receiver = DeltaReceiver(root, self.model, receiver_map, group=self.group, fused=True,
                                       fused_backend=fused_backend)
         self.receiver.before_write = self.guard
         self.verify = verify
@@ -256,7 +385,29 @@ class WorkerSync:
     # ----------------------------------------------------------------------------------------- calls
 
     def load_latest(self) -> dict[str, Any]:
-        return _report(self.receiver.load_latest(), self.receiver)
+        if self.cast.names:
+            latest = self.tp.decide(lambda: self._latest(self.store), "loading: finding the latest step",
+                                    sends="the step to load")
+            self._stage_cast(latest)
+        report = self.receiver.load_latest()
+        self._write_cast(report.step)
+        return _report(report, self.receiver)
+
+    def _stage_cast(self, step: int) -> None:
+        """Before anything is written: what ``step`` needs of the cast tensors (every worker, failing together)."""
+        self.tp.phase(lambda: self.cast.stage(step), f"reading the cast tensors of step {step}")
+
+    def _write_cast(self, step: int | None) -> None:
+        if not self.cast.names or step is None:
+            return
+        try:
+            if self.cast.staged_step != step:  # the step moved on between the staging and the receiver's plan
+                self._stage_cast(step)
+            self.cast.write()
+        except Exception:
+            self.receiver.valid = False  # the next update reloads everything, cast tensors included
+            self.cast.forget()
+            raise
 
     def prepare(self, step: int) -> dict[str, Any]:
         self._join_prefetch()
@@ -287,9 +438,14 @@ class WorkerSync:
 
     def update(self, step: int, wait_s: float = 0.0) -> dict[str, Any]:
         prefetch = self._join_prefetch()
+        if self.cast.names:
+            if wait_s > 0:
+                self.store.wait_complete(step, wait_s)
+            self._stage_cast(step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         report = self.receiver.apply(step, wait_s=wait_s)
+        self._write_cast(report.step)
         if self.verify == "full":
             self._verify_full(step)
         if self.device.type == "cuda":
@@ -314,6 +470,7 @@ class WorkerSync:
             raise fmt.ChainError(f"{rx.store.root}: this worker holds no verified step to check (it never loaded one "
                                  "or its last update failed); update or attach first")
         self._verify_full(rx.step)
+        self.cast.verify()
         return dict(step=rx.step, attempt=rx.attempt)
 
 def _report(report, receiver) -> dict[str, Any]:
@@ -385,7 +542,7 @@ class RltuneWorkerExtension:
                 out = dict(ok=True, action="none", step=None, anchor=None, deltas=[], changes=0, seconds=0.0, phases={},
                            anchor_loads=0, deltas_applied=0, fallbacks=[], valid=False, attempt=None)
             out.update(attach_s=time.perf_counter() - start, record_s=state.record_s, tp_rank=state.tp_rank,
-                       tp_size=state.tp_size, plain_layers=state.plain_layers,
+                       tp_size=state.tp_size, plain_layers=state.plain_layers, cast=state.cast.describe(),
                        engine_only={k: v for k, v in state.index_map.engine_only.items()})
             return out
         return _call(attach, request)
@@ -437,5 +594,5 @@ def parameter_digests(model: torch.nn.Module, tensors: bool = False) -> dict[str
 
 
 __all__ = ["EngineWeightsMovedError", "NotAttachedError", "RltuneWorkerExtension", "VllmSyncError", "WorkerSync",
-           "KernelGuard", "build_unprocessed_model", "keep_plain_weights", "parameter_digests",
-           "plain_linear"]
+           "KernelGuard", "build_unprocessed_model", "expert_repack_sources", "fused_experts_of", "keep_plain_weights",
+           "parameter_digests", "plain_linear", "record_index_map", "replay_expert_repack"]
