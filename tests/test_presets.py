@@ -27,7 +27,7 @@ REFERENCE_JOBS = [p for p in JOBS if load_job(p).launch.dialect == "rltune"]
 # The reference workload's abstract knobs (the names knowledge.yaml and the case library use).
 REFERENCE_KNOBS = {"rl_mode", "max_sample_age", "micro_batch_size", "packing", "grad_checkpointing",
                    "reuse_rollout_logprobs", "engine_max_concurrency", "engine_batching", "num_engines",
-                   "engine_compile", "sandbox_pool_size", "prebuilt_image", "sync_transport"}
+                   "engine_compile", "sandbox_pool_size", "sandbox_hosts", "prebuilt_image", "sync_transport"}
 GPU_SPLIT_KNOBS = {"trainer_gpus", "rollout_gpus"}  # placement.*: only jobs of several GPUs map them
 # vLLM engine arguments (engine.vllm.*): only jobs whose workload runs vLLM engines map them
 VLLM_ENGINE_KNOBS = {"engine_max_concurrency", "engine_max_batched_tokens", "chunked_prefill", "prefix_caching",

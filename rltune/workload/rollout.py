@@ -342,6 +342,7 @@ class Rollout:
         except OSError as exc:  # sandbox setup failed (disk, fork) or its host died: the trial failed, the run goes on
             traj.failed = True
             traj.error = f"{type(exc).__name__}: {exc}"
+            traj.host = getattr(exc, "host", traj.host)
             traj.reward = 0.0
         if traj.cut_off:
             traj.reward = 0.0

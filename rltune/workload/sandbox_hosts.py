@@ -267,7 +267,8 @@ class SandboxHosts:
                     box.fs_s += float(session.request("close", timeout_s=60.0, sandbox=box.sandbox_id)["fs_s"])
                 except SandboxHostLost:
                     pass  # the host is gone and its sandboxes with it; the trial's own error says so
-        except SandboxHostLost:
+        except SandboxHostLost as exc:
+            exc.host = host.index  # the trial failed on this host, wherever in its session
             self._lost(host)
             raise
         except SandboxProtocolError as exc:
