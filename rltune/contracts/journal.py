@@ -193,7 +193,7 @@ class RoundEndEvent:
     outcome: Literal["kept", "none_kept", "none_worth", "no_candidates", "none_forecast"] = field(
         doc="how it ended (none_forecast: what journals written before 'none_worth' said for it)")
     baseline_run: str | None = field(None, doc="kept: the trial that is the next round's baseline")
-    banned: list[str] | None = field(None, doc="none_worth: candidates worth a trial but holding settings that crashed or broke a limit")
+    banned: list[str] | None = field(None, doc="none_worth: candidates worth a trial but holding settings that crashed, broke a limit or failed a reward check")
     unfixed: list[str] | None = field(None, doc="no_candidates: problems no fix applies to")
 
     def validate(self) -> None:

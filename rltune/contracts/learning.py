@@ -32,7 +32,7 @@ class LearningCheckRecord:
     job_name: str = field(doc="the job (job.yaml name) whose tuned preset was checked")
     decision: Literal["pass", "fail"] = field(doc="the reward check's decision")
     reason: str = field(doc="its one-line reason")
-    verdict: str = field(doc="its reward_check.yaml")
+    verdict: str = field(doc="its reward_check.yaml, relative to this file's directory")
     steps: int = field(doc="steps of each of its runs", min=1)
     tuned_knobs: dict[str, Any] = field(doc="the knobs of the setup checked")
     time: float = field(doc="Unix time the record was written", min=0)

@@ -35,6 +35,7 @@ Work directory layout::
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -276,8 +277,8 @@ class AutoLoop:
                 reason = ("no applicable fix for what limits the step" if outcome == "no_candidates"
                           else f"no candidate is worth a trial: none is forecast {gate:g}% faster, and none whose "
                                f"range reaches {gate:g}% relieves the limiting stage"
-                               + (f", except {len(banned)} holding settings that crashed or broke a limit"
-                                  if banned else ""))
+                               + (f", except {len(banned)} holding settings that crashed, broke a limit or "
+                                  f"failed a reward check" if banned else ""))
                 break
             round_no += 1
         return self._finish(reason, untuned, baseline)
@@ -615,11 +616,13 @@ class AutoLoop:
 
         if event.decision not in ("pass", "fail"):
             return  # a run of the check failed: it says nothing about learning
-        verdict = str(self._abs(event.verdict).resolve())
+        # Relative to the library, so a work directory moved with its library keeps the link.
+        verdict_path = self._abs(event.verdict).resolve()
+        verdict = os.path.relpath(verdict_path, self.library_path)
         recorded = load_learning_checks(self.library_path)
         if any(r.verdict == verdict and r.job_name == self.job.name for r in recorded.learning_checks):
             return
-        check = load_reward_check(verdict)
+        check = load_reward_check(verdict_path)
         bans = bans_of(check, kept_changes(state, state.untuned.knobs, best.knobs), best.knobs, changes)
         record_learning_check(self.library_path, LearningCheckRecord(
             job_name=self.job.name, decision=event.decision, reason=event.reason, verdict=verdict, steps=event.steps,
