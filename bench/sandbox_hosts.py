@@ -47,6 +47,28 @@ def trial(hosts: SandboxHosts, args, out: list[dict], lock: threading.Lock) -> N
                         exec_s=execs, fs_s=box.fs_s))
 
 
+def run_step(hosts: SandboxHosts, args, concurrency: int) -> list[dict]:
+    """``args.batch`` trials, ``concurrency`` at a time; each trial's figures."""
+    done: list[dict] = []
+    lock = threading.Lock()
+    pending = list(range(args.batch))
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not pending:
+                    return
+                pending.pop()
+            trial(hosts, args, done, lock)
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return done
+
+
 def run_arm(n_hosts: int, concurrency: int, args) -> dict:
     """One arm: ``concurrency`` sandboxes over ``n_hosts`` hosts, ``args.batches`` steps of ``args.batch`` trials."""
     per_host = concurrency // n_hosts
@@ -54,26 +76,9 @@ def run_arm(n_hosts: int, concurrency: int, args) -> dict:
     rows = []
     try:
         for step in range(args.batches):
-            done: list[dict] = []
-            lock = threading.Lock()
-            pending = list(range(args.batch))
-            pending_lock = threading.Lock()
-
-            def worker() -> None:
-                while True:
-                    with pending_lock:
-                        if not pending:
-                            return
-                        pending.pop()
-                    trial(hosts, args, done, lock)
-
             hosts.host_stats()  # the step's window starts here
             start = time.perf_counter()
-            threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            done = run_step(hosts, args, concurrency)
             wall = time.perf_counter() - start
             host_stats = hosts.host_stats()
             loads = [s["load"] for s in host_stats if s is not None and s["busy_frac"] > 0]
