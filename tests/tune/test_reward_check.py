@@ -85,6 +85,21 @@ def test_a_curve_outside_the_band_fails_within_band_and_one_below_also_fails_fin
     assert below.final_delta == pytest.approx(-3.5) and below.max_deviation_step == 1
 
 
+def test_rewards_follow_the_runs_own_step_numbers_and_reused_batches_carry_their_reward():
+    from rltune.tune.reward_check import _rewards
+
+    # The reference workload counts steps from 0, TRL from 1: either is the run's first step.
+    assert _rewards([{"step": s, "reward": 0.1 * s} for s in range(3)], 3) == ([0.0, 0.1, 0.2], [], 0)
+    assert _rewards([{"step": s, "reward": 0.1 * s} for s in (1, 2, 3)], 3)[0] == pytest.approx([0.1, 0.2, 0.3])
+    # Batch reuse 2: only the generating steps report a reward; the steps between train that batch.
+    rows = [{"step": 1, "reward": 0.5}, {"step": 2, "reward": None}, {"step": 3, "reward": 0.7}, {"step": 4, "reward": None}]
+    assert _rewards(rows, 4) == ([0.5, 0.5, 0.7, 0.7], [], 2)
+    # A first step with no reward, or a step the run never reached, is missing, never made up.
+    assert _rewards([{"step": 0, "reward": None}, {"step": 1, "reward": 0.2}], 2)[1] == [0]
+    assert _rewards([{"step": 0, "reward": 0.3}], 3)[1] == [1, 2]
+    assert _rewards([{"step": 0, "reward": float("nan")}, {"step": 1, "reward": 0.2}], 2)[1] == [0]
+
+
 def test_kept_changes_follow_the_journal_and_a_later_change_owns_a_knob_it_moved_again(tmp_path):
     from rltune.tune.journal import Journal, replay
 
