@@ -114,7 +114,8 @@ def test_knowledge_base_loads_with_enough_fixes_and_maps_reference_knobs():
 
 
 @pytest.mark.parametrize("learn, tuned_from", [("cpu-math-learn.yaml", "cpu-demo.yaml"),
-                                               ("h200-tiny-math-learn.yaml", "h200-tiny-math.yaml")])
+                                               ("h200-tiny-math-learn.yaml", "h200-tiny-math.yaml"),
+                                               ("h200-small-math-learn.yaml", "h200-small-math.yaml")])
 def test_a_learning_job_has_the_knobs_of_the_job_whose_tuned_presets_it_checks(learn, tuned_from):
     # 'rltune reward-check TUNED --against LEARN' runs TUNED's changed knobs on LEARN: same names, same baseline.
     job, demo = load_job(PRESETS / learn), load_job(PRESETS / tuned_from)
