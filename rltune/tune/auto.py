@@ -17,6 +17,15 @@ no candidate is worth a trial (by its forecast, or by its range while relieving 
 stage), the trial budget is spent, or the rounds run out; then it writes the tuned preset, the
 savings by technique and the HTML report.
 
+Learning is checked before the preset is written (:mod:`rltune.tune.learning`): when a kept change
+alters what is learned per fresh sample (a fix with ``risks: [reward]``, or one the knowledge base
+does not hold), the best setup is written as a candidate under ``reward-check/candidate/`` and
+reward-checked (``reward_check``, the plan ``--reward-check STEPS`` made); the preset then says
+pass or fail in its header, and a failure's blamed change goes to the case library's
+learning-checks.yaml, which this loop reads with its limit-breaking settings: no later ``auto`` of
+the job on that library runs a setup holding it. Without a plan such a preset is written marked
+"learning unchecked". What the tuning cost (:mod:`rltune.tune.cost`) comes with the result.
+
 Everything the loop decides is an event in ``WORKDIR/journal.jsonl`` (append-only, fsynced), with
 paths relative to the work directory, so the same command resumes from any working directory.
 Run again after a crash or ``kill -9`` and it replays the journal and goes on: a run whose case
