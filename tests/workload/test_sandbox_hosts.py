@@ -267,3 +267,73 @@ def test_a_service_of_ones_own_is_reached_through_its_endpoint(host):
     finally:
         hosts.close()
     assert proc.poll() is None  # closing the rollout's side leaves the service running
+
+
+def _host_pid(name: str, parent_run_dir: Path) -> int | None:
+    """The pid of the sandbox host called ``name`` whose work directory a run under ``parent_run_dir`` made."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"rltune.workload.sandbox_host" in argv and name.encode() in argv:
+            return int(entry.name)
+    return None
+
+
+def _children(pid: int) -> list[str]:
+    """Child pids of every thread of ``pid`` (a host starts commands from its sessions' threads)."""
+    found = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                found += (task / "children").read_text().split()
+            except OSError:
+                continue  # the thread ended meanwhile
+    except OSError:
+        return []
+    return found
+
+
+@pytest.mark.slow
+def test_a_host_killed_mid_step_fails_only_its_trials_and_the_run_goes_on(tmp_path):
+    """The real workload (tiny tool use, two hosts): host 0 is killed while one of its commands runs; that
+    step counts only host 0's trials as failed, the run finishes its steps, and later steps use host 1."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "rltune.cli.main", "workload", "run",
+                             str(REPO / "presets" / "workload" / "tiny-tool-use.yaml"), "--steps", "4", "--run-dir",
+                             str(run_dir), "env.sandbox_hosts=2", "env.sandbox_pool_size=4",
+                             "env.sandbox_test_cases=40", "orchestrator.tasks_per_batch=4"],
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            cwd=tmp_path)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while (not metrics.exists() or not metrics.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert metrics.exists(), "the run never finished a step"
+        killed = False
+        while not killed and time.monotonic() < deadline and proc.poll() is None:
+            pid = _host_pid("host-0", run_dir)
+            children = _children(pid) if pid else []
+            if children:  # one of host 0's commands runs now: a trial is mid-turn there
+                os.kill(pid, 9)
+                killed = True
+            time.sleep(0.01)
+        assert killed, "host 0 never ran a command after the first step"
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out.decode()[-2000:]
+    recs = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in recs] == [0, 1, 2, 3]
+    hit = next(r for r in recs if r["sandbox_hosts_lost"] == 1)
+    assert 1 <= hit["trials_failed"] == hit["sandbox_host/0/failed"] <= hit["sandbox_host/0/trials"]
+    assert hit["sandbox_host/1/failed"] == 0
+    for later in recs[recs.index(hit) + 1:]:
+        assert later["sandbox_hosts"] == 1 and later["trials_failed"] == 0
+        assert later["sandbox_host/1/trials"] == later["trials_total"] and "sandbox_host/0/load" not in later
