@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -193,8 +194,10 @@ class SandboxHosts:
         # The host imports rltune from the same tree as this process, wherever it was started from.
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         with open(log, "wb") as err:
+            # In the run's own process group (a cancelled run's group kill takes its hosts), and told to stop
+            # when the process that started it dies however it dies.
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=env,
-                                    start_new_session=True)
+                                    preexec_fn=_stop_with_parent)
         return _Host(index, "", cores, proc, log)
 
     def _wait_ready(self, timeout_s: float) -> None:
@@ -326,6 +329,14 @@ class SandboxHosts:
             if proc.stdout is not None:
                 proc.stdout.close()
         shutil.rmtree(self._root, ignore_errors=True)
+
+
+def _stop_with_parent() -> None:
+    """In a host between fork and exec: SIGTERM it when its parent dies (Linux; elsewhere the group kill)."""
+    from rltune.workload.sandbox import _PR_SET_PDEATHSIG, _PRCTL
+
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def _read_line_before(stream, deadline: float) -> str:

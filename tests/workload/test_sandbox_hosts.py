@@ -243,6 +243,33 @@ def test_two_hosts_pin_their_cores_place_trials_in_turn_and_a_killed_host_fails_
         hosts.close()
 
 
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_hosts_stop_when_the_process_that_started_them_is_killed(tmp_path):
+    """A run killed with SIGKILL (a time-out, a cancelled trial) leaves no sandbox host running."""
+    code = ("import sys, time; from rltune.workload.sandbox_hosts import SandboxHosts; "
+            "from rltune.workload.sandbox import SandboxLimits, ImageSpec; "
+            "h = SandboxHosts(2, 1, SandboxLimits(), ImageSpec(modules=0)); "
+            "print(' '.join(str(x.process.pid) for x in h.hosts), flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            start_new_session=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 2 and all(_running(p) for p in pids)
+    proc.kill()  # only the parent: the hosts must go by themselves
+    proc.wait()
+    deadline = time.monotonic() + 10
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if _running(p)]
+        time.sleep(0.05)
+    assert alive == []
+
+
 def test_with_every_host_gone_a_trial_fails_at_once():
     hosts = SandboxHosts(1, 1, LIMITS, ImageSpec(modules=0))
     try:
