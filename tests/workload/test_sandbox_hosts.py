@@ -254,7 +254,7 @@ def test_hosts_stop_when_the_process_that_started_them_is_killed(tmp_path):
     """A run killed with SIGKILL (a time-out, a cancelled trial) leaves no sandbox host running."""
     code = ("import sys, time; from rltune.workload.sandbox_hosts import SandboxHosts; "
             "from rltune.workload.sandbox import SandboxLimits, ImageSpec; "
-            "h = SandboxHosts(2, 1, SandboxLimits(), ImageSpec(modules=0)); "
+            f"h = SandboxHosts(2, 1, SandboxLimits(), ImageSpec(modules=0), workdir={str(tmp_path)!r}); "
             "print(' '.join(str(x.process.pid) for x in h.hosts), flush=True); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)},
                             start_new_session=True)
