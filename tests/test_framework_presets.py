@@ -29,7 +29,7 @@ from rltune.launch import build_argv, render_overrides
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = REPO / "presets"
 DATA = Path(__file__).parent / "data" / "prime-rl"
-TRL_PRESETS = [PRESETS / "trl-grpo-cpu.yaml", PRESETS / "trl-grpo-h200.yaml"]
+TRL_PRESETS = [PRESETS / "trl-grpo-cpu.yaml", PRESETS / "trl-grpo-h200.yaml", PRESETS / "trl-grpo-cpu-learn.yaml"]
 VERL = PRESETS / "verl-grpo.yaml"
 PRIME_RL = PRESETS / "prime-rl.yaml"
 PRIME_RL_COMMIT = "559b44772e471d1538537b8805cc77f3824a5e64"
@@ -83,7 +83,8 @@ def test_trl_preset_flags_are_grpo_config_or_job_fields(path):
 
     job = load_job(path)
     grpo = {f.name for f in dataclasses.fields(GRPOConfig)}
-    assert set(job.launch.knob_map.values()) <= grpo, set(job.launch.knob_map.values()) - grpo
+    # A knob maps to a GRPOConfig field or, like a learning job's task_seed, to one of the job's own flags.
+    assert set(job.launch.knob_map.values()) <= trl_fields(), set(job.launch.knob_map.values()) - trl_fields()
     assert job.launch.steps_override in grpo
     flags = {a[2:] for a in job.launch.command if a.startswith("--")}
     assert flags <= trl_fields(), flags - trl_fields()
@@ -99,7 +100,8 @@ def test_trl_preset_baseline_is_what_trl_parses_from_the_command(path):
     # A CPU cannot build the H200 preset's bf16 config; the last --bf16 wins, nothing else changes.
     config, extra = parse([*argv, "--bf16", "false"])
     for knob, field in job.launch.knob_map.items():
-        assert getattr(config, field) == job.knobs[knob], f"{path.name}: knob {knob}={job.knobs[knob]!r}, TRL {field}={getattr(config, field)!r}"
+        parsed = getattr(config if hasattr(config, field) else extra, field)  # a GRPOConfig field or the job's own
+        assert parsed == job.knobs[knob], f"{path.name}: knob {knob}={job.knobs[knob]!r}, TRL {field}={parsed!r}"
     batch = job.workload.tasks_per_batch * job.workload.trials_per_task
     assert extra.samples_per_step == batch
     assert config.per_device_train_batch_size * config.gradient_accumulation_steps == batch
@@ -116,9 +118,10 @@ def test_trl_preset_parses_with_every_knob_and_every_fix_value(path):
     knowledge = load_knowledge(PRESETS / "knowledge.yaml")
     for overrides in (every_knob(job), {k: v for k, v in fix_values(job, knowledge).items()
                                          if k not in ("vllm_rollout", "engine_placement")}):
-        config, _ = parse([*build_argv(job, path, RUN_DIR, overrides=overrides)[3:], "--bf16", "false"])
+        config, extra = parse([*build_argv(job, path, RUN_DIR, overrides=overrides)[3:], "--bf16", "false"])
         for knob, value in overrides.items():
-            assert getattr(config, job.launch.knob_map[knob]) == value
+            field = job.launch.knob_map[knob]
+            assert getattr(config if hasattr(config, field) else extra, field) == value
     # A larger micro-batch halves the accumulation: the batch stays the workload's.
     config, _ = parse([*build_argv(job, path, RUN_DIR, overrides={"micro_batch_size": job.knobs["micro_batch_size"] * 2})[3:],
                        "--bf16", "false"])

@@ -27,7 +27,7 @@ REFERENCE_JOBS = [p for p in JOBS if load_job(p).launch.dialect == "rltune"]
 # The reference workload's abstract knobs (the names knowledge.yaml and the case library use).
 REFERENCE_KNOBS = {"rl_mode", "max_sample_age", "micro_batch_size", "packing", "grad_checkpointing",
                    "reuse_rollout_logprobs", "engine_max_concurrency", "engine_batching", "num_engines",
-                   "engine_compile", "sandbox_pool_size", "prebuilt_image", "sync_transport"}
+                   "engine_compile", "sandbox_pool_size", "sandbox_hosts", "prebuilt_image", "sync_transport"}
 GPU_SPLIT_KNOBS = {"trainer_gpus", "rollout_gpus"}  # placement.*: only jobs of several GPUs map them
 # vLLM engine arguments (engine.vllm.*): only jobs whose workload runs vLLM engines map them
 VLLM_ENGINE_KNOBS = {"engine_max_concurrency", "engine_max_batched_tokens", "chunked_prefill", "prefix_caching",
@@ -114,7 +114,8 @@ def test_knowledge_base_loads_with_enough_fixes_and_maps_reference_knobs():
 
 
 @pytest.mark.parametrize("learn, tuned_from", [("cpu-math-learn.yaml", "cpu-demo.yaml"),
-                                               ("h200-tiny-math-learn.yaml", "h200-tiny-math.yaml")])
+                                               ("h200-tiny-math-learn.yaml", "h200-tiny-math.yaml"),
+                                               ("h200-small-math-learn.yaml", "h200-small-math.yaml")])
 def test_a_learning_job_has_the_knobs_of_the_job_whose_tuned_presets_it_checks(learn, tuned_from):
     # 'rltune reward-check TUNED --against LEARN' runs TUNED's changed knobs on LEARN: same names, same baseline.
     job, demo = load_job(PRESETS / learn), load_job(PRESETS / tuned_from)

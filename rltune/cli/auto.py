@@ -14,7 +14,13 @@ forecast range that reaches that gate and relieves the stage that limits the ste
 or, for a setting the forecast cannot estimate, by what its fixes move (ranked by the range's
 optimistic end while the evidence is thin). Stops when no candidate is worth a trial, the
 trial budget is spent or the rounds run out, then writes the tuned preset, the savings by technique
-and report.html. Every decision goes to
+and report.html. A kept change that alters what is learned per fresh sample (batch reuse, generating
+several steps at once, a higher sample age, a new RL mode: knowledge.yaml 'risks: [reward]') is
+checked with 'rltune reward-check' for --reward-check steps before the preset is written; without
+the flag the preset is written marked "learning unchecked". A failed check names the change to blame
+and the tuner stops proposing it for this job (the case library's learning-checks.yaml). The report
+and --json give what tuning cost: the device-seconds of every run (GPUs x wall time; a CPU job's
+host counts as one device) and the tuned steps after which it has paid for itself. Every decision goes to
 WORKDIR/journal.jsonl: after a crash or kill -9, run the same command again (from any directory)
 and it goes on where it stopped: runs still on a SLURM or Ray cluster are followed again, a local
 run left over is cancelled and run again. --parallel K runs up to K candidates of a round at once.
@@ -40,7 +46,7 @@ def register(app: typer.Typer) -> None:
         tuned_dir: Path = typer.Option(Path("presets/tuned"), "--tuned-dir", help="where the tuned preset is written"),
         allow_needs: bool = typer.Option(False, "--allow-needs", help="also try fixes that need hardware beyond the budget"),
         parallel: int = typer.Option(1, "--parallel", min=1, help="run up to this many trials of a round at once (each its own run or allocation)"),
-        reward_check: int = typer.Option(None, "--reward-check", help="then run 'rltune reward-check' of the tuned preset for this many steps (exit 3 if it fails)"),
+        reward_check: int = typer.Option(None, "--reward-check", help="steps of the reward check run before the tuned preset is written when a kept change alters learning (exit 3 if it fails); without it such a preset is marked 'learning unchecked'"),
         reward_against: Path = typer.Option(None, "--reward-against", help="untuned job the reward check runs on (default JOB; it needs seed and task_seed knobs)"),
         live: bool = typer.Option(True, "--live/--no-live", help="live view on stderr"),
         as_json: bool = typer.Option(False, "--json", help="print a machine-readable summary on stdout"),
@@ -77,7 +83,9 @@ def register(app: typer.Typer) -> None:
             print(json.dumps({"report": str(result.report), "tuned_preset": str(result.tuned_preset),
                               "reason": result.reason, "untuned_step_s": result.untuned_step_s,
                               "best_step_s": result.best_step_s, "speedup": result.speedup, "trials": result.trials,
-                              "best_knobs": result.best_knobs}))
+                              "best_knobs": result.best_knobs, "learning": result.learning,
+                              "learning_changes": result.learning_changes or [],
+                              "tuning_cost": result.cost.as_dict() if result.cost is not None else None}))
         else:
             typer.echo(f"report: {result.report}")
         if plan is not None:
@@ -86,7 +94,8 @@ def register(app: typer.Typer) -> None:
 
             checked = last_reward_check(replay(loop.journal.events()))
             view.console.print(f"reward check: {checked.decision} - {checked.reason}" if checked else
-                               "reward check: not run (no change was kept)", markup=False, highlight=False)
+                               "reward check: not run (no kept change alters what is learned)", markup=False,
+                               highlight=False)
             if checked and exit_code_of(checked.decision):
                 raise typer.Exit(exit_code_of(checked.decision))
 
@@ -214,11 +223,19 @@ class _LiveView:
         return Group(head, running, cands, trials)
 
     def summary(self, result) -> None:
+        from rltune.tune.cost import describe
+
         speed = f"{result.speedup:.2f}x" if result.speedup else "n/a"
         untuned = "n/a" if result.untuned_step_s is None else f"{result.untuned_step_s:.3g} s"
         best = "n/a" if result.best_step_s is None else f"{result.best_step_s:.3g} s"
         self.console.print(f"stopped: {result.reason}. untuned {untuned} -> best {best} (mean step, {speed}) in "
                            f"{result.trials} trials; tuned preset {result.tuned_preset}", markup=False, highlight=False)
+        if result.learning == "unchecked":
+            self.console.print(f"learning unchecked: {'; '.join(result.learning_changes or [])} alter what is learned "
+                               "per fresh sample; run 'rltune reward-check' on the preset, or auto with --reward-check",
+                               markup=False, highlight=False)
+        if result.cost is not None:
+            self.console.print(f"tuning cost: {describe(result.cost)}", markup=False, highlight=False)
 
 
 class _StepCounter:

@@ -38,8 +38,8 @@ Example:
 
 SUMMARY_KEYS = ("step_s", "rollout_s", "training_s", "weight_sync_s", "old_logprob_s", "wait_s",
                 "engine_queue_s", "engine_decode_s", "engine_preemptions", "kv_cache_usage", "sandbox_setup_s",
-                "sandbox_exec_s", "sandbox_slot_wait_s", "trainer_busy_frac", "padding_frac", "gap",
-                "sample_age_mean", "sample_age_max", "trials_cut_off", "reward")
+                "sandbox_exec_s", "sandbox_queue_s", "sandbox_fs_s", "sandbox_host_load", "trainer_busy_frac", "padding_frac", "gap",
+                "sample_age_mean", "sample_age_max", "trial_s_max", "trials_cut_off", "trials_failed", "reward")
 
 
 def register(app: typer.Typer) -> None:

@@ -24,6 +24,7 @@ TABLES = {
     "cases": ("rltune.contracts.cases", "describe_columns"),
     "verdict": ("rltune.contracts.verdict", "Verdict"),
     "reward_check": ("rltune.contracts.reward_check", "RewardCheck"),
+    "learning_checks": ("rltune.contracts.learning", "LearningChecks"),
     "journal": ("rltune.contracts.journal", "describe_events"),
     "stage_map": ("rltune.profile.stage_map", "describe_stage_map"),
     "sync_readers": ("rltune.sync.bench.readers", "ReadersConfig"),

@@ -66,6 +66,10 @@ KINDS: dict[str, ArtifactKind] = {
         "a reward check", "written by 'rltune reward-check'",
         "give the reward_check.yaml 'rltune reward-check' wrote",
         frozenset({"tuned_job", "untuned_job", "seeds", "window"})),
+    "learning_checks": ArtifactKind(
+        "a learning-checks record", "written by 'rltune auto --reward-check' into its case library",
+        "give the learning-checks.yaml of a case library",
+        frozenset({"learning_checks"})),
     "workload": ArtifactKind(
         "a workload config", "written by hand; presets/workload/ holds examples",
         "give 'rltune workload run' a workload config (presets/workload/ holds examples)",
@@ -98,6 +102,7 @@ KIND_OF_CLASS: dict[str, str] = {
     "rltune.contracts.forecast.Forecast": "forecast",
     "rltune.contracts.verdict.Verdict": "verdict",
     "rltune.contracts.reward_check.RewardCheck": "reward_check",
+    "rltune.contracts.learning.LearningChecks": "learning_checks",
     "rltune.workload.config.WorkloadConfig": "workload",
     "rltune.sync.bench.run.SyncBenchConfig": "sync_bench",
     "rltune.sync.bench.readers.ReadersConfig": "sync_readers",

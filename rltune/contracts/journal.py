@@ -193,7 +193,7 @@ class RoundEndEvent:
     outcome: Literal["kept", "none_kept", "none_worth", "no_candidates", "none_forecast"] = field(
         doc="how it ended (none_forecast: what journals written before 'none_worth' said for it)")
     baseline_run: str | None = field(None, doc="kept: the trial that is the next round's baseline")
-    banned: list[str] | None = field(None, doc="none_worth: candidates worth a trial but holding settings that crashed or broke a limit")
+    banned: list[str] | None = field(None, doc="none_worth: candidates worth a trial but holding settings that crashed, broke a limit or failed a reward check")
     unfixed: list[str] | None = field(None, doc="no_candidates: problems no fix applies to")
 
     def validate(self) -> None:
@@ -207,7 +207,7 @@ class RewardCheckEvent:
 
     event: Literal["reward_check"] = field(doc="'reward_check'")
     time: float = field(doc="Unix time", min=0)
-    decision: Literal["pass", "fail"] = field(doc="pass or fail")
+    decision: Literal["pass", "fail", "failed"] = field(doc="pass, fail, or failed (a run of the check crashed or timed out)")
     reason: str = field(doc="why")
     verdict: str = field(doc="its reward_check.yaml")
     steps: int = field(doc="steps of each run", min=1)
@@ -233,6 +233,10 @@ class FinishEvent:
     trials: int = field(doc="trials run", min=0)
     savings: dict[str, Any] = field(doc="seconds saved by technique group")
     tuned_preset: str = field(doc="the tuned preset written")
+    learning: Literal["unchanged", "unchecked", "pass", "fail"] | None = field(
+        None, doc="what the kept changes do to learning: unchanged (none alters what is learned per fresh sample), "
+                  "unchecked (one does; no --reward-check), pass or fail (its reward check)")
+    learning_changes: list[str] | None = field(None, doc="the kept changes that alter what is learned per fresh sample")
 
 
 EVENT_TYPES: dict[str, type] = {

@@ -44,6 +44,11 @@ class JobArguments:
     model_intermediate: int = field(default=0, metadata={"help": "MLP size (0: 3 x hidden)"})
     num_tasks: int = field(default=256, metadata={"help": "arithmetic prompts in the dataset"})
     task_seed: int = field(default=0, metadata={"help": "seed of the prompts (the model's is --seed)"})
+    model_seed: int = field(default=-1, metadata={
+        "help": "seed of the model's random initialisation (-1: --seed); fixed, runs of several --seed start from one model"})
+    max_operand: int = field(default=99, metadata={"help": "operands are drawn from 0..max_operand (9: one-digit tasks)"})
+    max_terms: int = field(default=3, metadata={"help": "a task has 2..max_terms operands"})
+    operators: str = field(default="+-*", metadata={"help": "the operators a task may use, any of '+-*'"})
     samples_per_step: int = field(default=0, metadata={
         "help": "completions per optimizer step; sets gradient_accumulation_steps from the micro-batch (0: leave it)"})
 
@@ -148,7 +153,7 @@ def build_dataset(job: JobArguments):
     from rltune.workload.envs import make_math_task
 
     rng = random.Random(job.task_seed)
-    tasks = [make_math_task(rng, f"t{i}") for i in range(job.num_tasks)]
+    tasks = [make_math_task(rng, f"t{i}", job.max_operand, job.max_terms, job.operators) for i in range(job.num_tasks)]
     return Dataset.from_dict({"prompt": [t.prompt for t in tasks], "answer": [t.answer for t in tasks]})
 
 
@@ -171,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     from rltune.integrations.trl import attach
 
     tokenizer = build_tokenizer()
-    model = build_model(job, tokenizer, config.seed)
+    model = build_model(job, tokenizer, config.seed if job.model_seed < 0 else job.model_seed)
     print(f"{PROG}: Qwen3 {job.model_layers} x {job.model_hidden}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters; "
           f"micro-batch {config.per_device_train_batch_size} x {config.gradient_accumulation_steps} accumulation "

@@ -52,10 +52,15 @@ CUT_OFF_FRAC_MAX = 0.02
 # when setup is over half of the sandbox time, pooling or pre-warming pays.
 SANDBOX_SETUP_SHARE_MAX = 0.50
 SANDBOX_SETUP_SHARE_OK = 0.20
-# sandbox_hosts_overloaded: more than one runnable process per core on the sandbox hosts, or
-# trials waiting for a sandbox more than 20 % of their sandbox time.
+# sandbox_hosts_overloaded: more than one runnable process per core on the busiest sandbox host
+# (while its sandboxes run), trials waiting for a sandbox more than 20 % of their sandbox time, or
+# the hosts' own file-system work (writing images, copying, removing) over half of it: the seed's
+# hosts whose shared disk made set-up and tests twice as slow while their CPUs sat idle. Below 20 %
+# of the sandbox time file-system work is what any set-up costs.
 SANDBOX_HOST_LOAD_MAX = 1.0
 SANDBOX_QUEUE_SHARE_MAX = 0.20
+SANDBOX_FS_SHARE_MAX = 0.50
+SANDBOX_FS_SHARE_OK = 0.20
 # Setup times whose p90 is 3x their median vary with contention, not with the task.
 SANDBOX_SETUP_SPREAD_MAX = 3.0
 # weight_sync_on_critical_path: below 5 % of the step a faster transport is not worth a change.
@@ -222,28 +227,31 @@ def sandbox_setup_dominant(f: RunFacts) -> Problem | None:
 def sandbox_hosts_overloaded(f: RunFacts) -> Problem | None:
     load = f.get("sandbox_host_load")
     queue = f.get("sandbox_queue_s")
+    fs = f.get("sandbox_fs_s")
     setup, run = f.get("sandbox_setup_s"), f.get("sandbox_exec_s")
     setup_p90 = f.p90.get("sandbox_setup_s")
     spread = setup_p90 / setup if setup and setup_p90 is not None else None
     busy = (setup or 0.0) + (run or 0.0)
     by_load = load is not None and load > SANDBOX_HOST_LOAD_MAX
     by_queue = queue is not None and busy > 0 and queue / (queue + busy) > SANDBOX_QUEUE_SHARE_MAX
+    by_fs = fs is not None and busy > 0 and fs / busy > SANDBOX_FS_SHARE_MAX
     by_spread = spread is not None and spread > SANDBOX_SETUP_SPREAD_MAX
-    if not (by_load or by_queue or by_spread):
+    if not (by_load or by_queue or by_fs or by_spread):
         return None
-    if queue is not None:
-        excess = queue
-    elif by_load and setup is not None:
-        excess = busy * (1.0 - SANDBOX_HOST_LOAD_MAX / load)
-    else:
-        excess = 0.0
-    return _problem(f, "sandbox_hosts_overloaded", "rollout", "sandbox",
-                    "sandbox hosts overloaded" + (f": {load:.2g} runnable processes per core" if by_load else
-                                                  ": trials wait for sandboxes" if by_queue else
-                                                  f": setup p90 is {spread:.1f}x its median"),
+    # What each finding costs a trial: its wait, the share of its sandbox time lost to crowded
+    # cores, or file-system time beyond what a set-up needs; the worst of those found.
+    excess = max([queue if by_queue else 0.0,
+                  busy * (1.0 - SANDBOX_HOST_LOAD_MAX / load) if by_load else 0.0,
+                  fs - SANDBOX_FS_SHARE_OK * busy if by_fs else 0.0])
+    what = (f": {load:.2g} runnable processes per core" if by_load else
+            ": trials wait for sandboxes" if by_queue else
+            f": file-system work is {fs / busy:.0%} of the sandbox time" if by_fs else
+            f": setup p90 is {spread:.1f}x its median")
+    hosts = f.get("sandbox_hosts")
+    return _problem(f, "sandbox_hosts_overloaded", "rollout", "sandbox", "sandbox hosts overloaded" + what,
                     min(excess, f.rollout),
-                    {"sandbox_host_load": load, "sandbox_queue_s": queue, "sandbox_setup_s": setup,
-                     "setup_p90_over_median": spread})
+                    {"sandbox_host_load": load, "sandbox_queue_s": queue, "sandbox_fs_s": fs, "sandbox_setup_s": setup,
+                     "sandbox_exec_s": run, "setup_p90_over_median": spread, "sandbox_hosts": hosts})
 
 
 def weight_sync_on_critical_path(f: RunFacts) -> Problem | None:

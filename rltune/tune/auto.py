@@ -17,6 +17,15 @@ no candidate is worth a trial (by its forecast, or by its range while relieving 
 stage), the trial budget is spent, or the rounds run out; then it writes the tuned preset, the
 savings by technique and the HTML report.
 
+Learning is checked before the preset is written (:mod:`rltune.tune.learning`): when a kept change
+alters what is learned per fresh sample (a fix with ``risks: [reward]``, or one the knowledge base
+does not hold), the best setup is written as a candidate under ``reward-check/candidate/`` and
+reward-checked (``reward_check``, the plan ``--reward-check STEPS`` made); the preset then says
+pass or fail in its header, and a failure's blamed change goes to the case library's
+learning-checks.yaml, which this loop reads with its limit-breaking settings: no later ``auto`` of
+the job on that library runs a setup holding it. Without a plan such a preset is written marked
+"learning unchecked". What the tuning cost (:mod:`rltune.tune.cost`) comes with the result.
+
 Everything the loop decides is an event in ``WORKDIR/journal.jsonl`` (append-only, fsynced), with
 paths relative to the work directory, so the same command resumes from any working directory.
 Run again after a crash or ``kill -9`` and it replays the journal and goes on: a run whose case
@@ -35,6 +44,7 @@ Work directory layout::
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -80,6 +90,9 @@ class AutoResult:
     trials: int
     tuned_preset: Path | None
     report: Path | None
+    learning: str | None = None           # unchanged | unchecked | pass | fail (see FinishEvent.learning)
+    learning_changes: list[str] | None = None
+    cost: Any = None                      # rltune.tune.cost.TuningCost
 
     @property
     def speedup(self) -> float | None:
@@ -273,8 +286,8 @@ class AutoLoop:
                 reason = ("no applicable fix for what limits the step" if outcome == "no_candidates"
                           else f"no candidate is worth a trial: none is forecast {gate:g}% faster, and none whose "
                                f"range reaches {gate:g}% relieves the limiting stage"
-                               + (f", except {len(banned)} holding settings that crashed or broke a limit"
-                                  if banned else ""))
+                               + (f", except {len(banned)} holding settings that crashed, broke a limit or "
+                                  f"failed a reward check" if banned else ""))
                 break
             round_no += 1
         return self._finish(reason, untuned, baseline)
@@ -516,8 +529,15 @@ class AutoLoop:
 
     def _limit_breaking_settings(self) -> list[set[tuple[str, Any]]]:
         """Knob values of runs that broke a numerical limit that no run holding it had
-        (see :func:`rltune.tune.pick.limit_breaking_settings`)."""
-        return limit_breaking_settings(self._outcomes())
+        (see :func:`rltune.tune.pick.limit_breaking_settings`), and those a failed reward check of
+        this job banned (the case library's learning-checks.yaml)."""
+        return limit_breaking_settings(self._outcomes()) + self._learning_bans()
+
+    def _learning_bans(self) -> list[set[tuple[str, Any]]]:
+        from rltune.contracts.learning import banned_for, load_learning_checks
+        from rltune.tune.learning import banned_settings
+
+        return banned_settings(banned_for(load_learning_checks(self.library_path), self.job.name))
 
     def _trial_fields(self, start: RunStartEvent, verdict: Any) -> dict[str, Any]:
         return dict(round=start.round, run_id=start.run_id, run_dirs=[self._rel(d) for d in verdict.run_dirs],
@@ -532,6 +552,8 @@ class AutoLoop:
                     verdict=self._rel(RunDir(self._abs(start.run_dir)).verdict_path))
 
     def _finish(self, reason: str, untuned: _Baseline, best: _Baseline) -> AutoResult:
+        from rltune.tune.knowledge import load_default_knowledge
+        from rltune.tune.learning import learning_changes
         from rltune.tune.preset import write_tuned_preset
         from rltune.tune.report import build_report
         from rltune.tune.savings import shares_by_group
@@ -546,27 +568,87 @@ class AutoLoop:
                       "speedup": round(untuned.step_s / best.step_s, 3) if best.step_s else None,
                       "step": "mean over the measured steps", "noise_pct": baseline_event.noise_pct,
                       "trials": len(trials), "best_run": best.run_id, "journal": str(self.journal.path)}
+        changes = (learning_changes(state, load_default_knowledge(self.knowledge_path), untuned.knobs, best.knobs)
+                   if best.run_id != untuned.run_id else [])
+        labels = [c.label for c in changes]
+        if not changes:
+            learning = "unchanged"
+            provenance["learning"] = "not altered (no kept change alters what is learned per fresh sample)"
+        elif self.reward_check is None:
+            learning = "unchecked"
+            provenance["learning"] = (f"UNCHECKED: {'; '.join(labels)} alter what is learned per fresh sample; "
+                                      f"check it: rltune reward-check THIS_FILE --against {self.job_path} --steps N")
+        else:
+            # Before the preset and 'finish', so a kill during the long runs resumes into the check (its
+            # finished runs reused); a check already journalled is not run again.
+            event = state.reward_check or self._check_learning(untuned, best, state, provenance)
+            self._record_learning(event, best, state, changes)
+            learning = event.decision if event.decision in ("pass", "fail") else "unchecked"
+            provenance["learning"] = self._learning_line(event)
         preset = write_tuned_preset(self.job, self.job_path, best.knobs, self.tuned_dir, provenance)
-        if self.reward_check is not None and best.run_id != untuned.run_id:
-            # Before 'finish', so a kill during the long runs resumes into the check (its finished runs reused).
-            from rltune.tune.reward_check import check_after_tuning
-
-            check_after_tuning(self.reward_check, preset, self.workdir, state, untuned.knobs, best.knobs,
-                               emit=self._emit, note=self._note, rel=self._rel, on_output=self.on_output)
         finish = self._emit("finish", reason=reason, untuned_run=untuned.run_id, untuned_step_s=untuned.step_s,
                             best_run=best.run_id, best_step_s=best.step_s, best_knobs=best.knobs, trials=len(trials),
-                            savings=shares_by_group(kept), tuned_preset=str(preset.resolve()))
+                            savings=shares_by_group(kept), tuned_preset=str(preset.resolve()), learning=learning,
+                            learning_changes=labels or None)
         report = build_report(self.workdir)
         return self._result_from(finish, report)
 
+    def _learning_line(self, event: Any) -> str:
+        """The tuned preset's header line about its reward check."""
+        if event.decision not in ("pass", "fail"):
+            return f"UNCHECKED: the reward check's runs failed ({event.reason})"
+        line = f"{event.decision.upper()} (reward-check over {event.steps} steps, {self._abs(event.verdict)})"
+        if event.decision == "pass":
+            return line
+        if event.blamed:
+            return line + f": to blame {', '.join(event.blamed)}; the tuner no longer proposes it for this job"
+        return line + ": no single change to blame; their combination is no longer proposed for this job"
+
+    def _check_learning(self, untuned: _Baseline, best: _Baseline, state: JournalState, provenance: dict) -> Any:
+        """Run the reward check of the best setup (written as a candidate preset in the work directory) and
+        journal its event."""
+        from rltune.tune.preset import write_tuned_preset
+        from rltune.tune.reward_check import check_after_tuning
+
+        candidate = write_tuned_preset(self.job, self.job_path, best.knobs, self.workdir / "reward-check" / "candidate",
+                                       {**provenance, "learning": "being checked (not yet a tuned preset)"})
+        check_after_tuning(self.reward_check, candidate, self.workdir, state, untuned.knobs, best.knobs,
+                           emit=self._emit, note=self._note, rel=self._rel, on_output=self.on_output)
+        return self._state().reward_check
+
+    def _record_learning(self, event: Any, best: _Baseline, state: JournalState, changes: list) -> None:
+        """Put the check's verdict, and what a failed one bans, in the case library's learning-checks.yaml (once)."""
+        from rltune.contracts.learning import LearningCheckRecord, load_learning_checks, record_learning_check
+        from rltune.contracts.reward_check import load_reward_check
+        from rltune.tune.learning import bans_of
+        from rltune.tune.reward_check import kept_changes
+
+        if event.decision not in ("pass", "fail"):
+            return  # a run of the check failed: it says nothing about learning
+        # Relative to the library, so a work directory moved with its library keeps the link.
+        verdict_path = self._abs(event.verdict).resolve()
+        verdict = os.path.relpath(verdict_path, self.library_path)
+        recorded = load_learning_checks(self.library_path)
+        if any(r.verdict == verdict and r.job_name == self.job.name for r in recorded.learning_checks):
+            return
+        check = load_reward_check(verdict_path)
+        bans = bans_of(check, kept_changes(state, state.untuned.knobs, best.knobs), best.knobs, changes)
+        record_learning_check(self.library_path, LearningCheckRecord(
+            job_name=self.job.name, decision=event.decision, reason=event.reason, verdict=verdict, steps=event.steps,
+            tuned_knobs=dict(best.knobs), time=time.time(), banned=bans))
+
     def _result_from(self, finish: Any, report: Path | None = None) -> AutoResult:
+        from rltune.tune.cost import tuning_cost
+
         if report is None:
             from rltune.tune.report import build_report
 
             report = build_report(self.workdir)
         return AutoResult(workdir=self.workdir, reason=finish.reason, untuned_step_s=finish.untuned_step_s,
                           best_step_s=finish.best_step_s, best_knobs=finish.best_knobs, trials=finish.trials,
-                          tuned_preset=Path(finish.tuned_preset), report=report)
+                          tuned_preset=Path(finish.tuned_preset), report=report, learning=finish.learning,
+                          learning_changes=finish.learning_changes,
+                          cost=tuning_cost(self.workdir, self.job.gpus.count, finish.untuned_step_s, finish.best_step_s))
 
 
 # Launchers whose jobs outlive the process that submitted them: after a restart, rltune follows them again.

@@ -27,6 +27,14 @@ PLOTTED_STAGES = ("rollout", "training", "weight_sync")
 DECISION_COLORS = {"keep": "#2a9d3f", "reject": "#c98a0b", "failed": "#c0392b", "baseline": "#34495e"}
 
 
+LEARNING_TEXT = {
+    "unchanged": "not altered: no kept change alters what is learned per fresh sample",
+    "unchecked": "UNCHECKED: kept changes alter what is learned per fresh sample and no reward check ran",
+    "pass": "checked: the reward check passed",
+    "fail": "FAILED the reward check: the change to blame is no longer proposed for this job",
+}
+
+
 class ReportError(RltuneError):
     """The directory holds no auto run to report on."""
 
@@ -307,10 +315,19 @@ def build_report(workdir: str | Path, out: str | Path | None = None) -> Path:
         summary.append(["speed-up", f"{untuned / best:.2f}x"])
     if finish:
         summary += [["stopped because", finish.get("reason", "")], ["tuned preset", finish.get("tuned_preset", "")]]
+        if finish.get("learning"):
+            changes = "; ".join(finish.get("learning_changes") or [])
+            summary.append(["learning", LEARNING_TEXT[finish["learning"]] + (f" ({changes})" if changes else "")])
     elif data["chained"]:
         summary.append(["runs", "chained by hand (rltune profile, trial)"])
     else:
         summary.append(["state", "still running or interrupted (no finish event yet)"])
+    cost = None
+    if not data["chained"]:
+        from rltune.tune.cost import describe, run_dirs, run_wall_s, tuning_cost
+
+        cost = tuning_cost(workdir, devices, untuned, best)
+        summary.append(["tuning cost", describe(cost)])
     parts.append(_table(["", ""], summary))
 
     for title, _key, png in _plots(data, devices):
@@ -318,6 +335,19 @@ def build_report(workdir: str | Path, out: str | Path | None = None) -> Path:
 
     if data.get("reward_check"):
         parts += _reward_section(workdir, data["reward_check"])
+
+    if cost is not None:
+        parts.append("<h2>What tuning cost</h2>")
+        parts.append(f"<p>{html.escape(describe(cost))}. Every run of the work directory counts: the untuned "
+                     "baselines, each trial and re-measurement, runs cut off by a kill (from their submission to "
+                     "their last write) and the reward check's runs; each costs its wall time times the devices "
+                     "the job holds (its GPUs, or one CPU host for a job without GPUs). Paid back after: device-"
+                     "seconds spent / device-seconds a tuned step saves.</p>")
+        rows = []
+        for run_dir in run_dirs(workdir):
+            wall, finished = run_wall_s(run_dir)
+            rows.append([str(run_dir.relative_to(workdir)), round(wall, 1), "yes" if finished else "cut off"])
+        parts.append(_table(["run", "wall s", "finished"], rows))
 
     parts.append("<h2>Savings by technique</h2>")
     if shares:

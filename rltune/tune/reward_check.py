@@ -285,6 +285,7 @@ class RewardCheckOutcome:
 class _Run:
     summary: RewardRun
     rewards: list[float] = field(default_factory=list)
+    carried: int = 0  # steps that carry the reward of the batch they train (see _rewards)
 
 
 def _long_run_job(job: JobSpec, steps: int) -> JobSpec:
@@ -313,13 +314,28 @@ def _finished_rows(run_dir: Path, knobs: dict[str, KnobValue], steps: int) -> li
     return rows
 
 
-def _rewards(rows: list[dict], steps: int) -> tuple[list[float], list[int]]:
-    """Per-step rewards of steps 0..steps-1 and the steps that have none."""
+def _rewards(rows: list[dict], steps: int) -> tuple[list[float], list[int], int]:
+    """Per-step rewards of the run's ``steps`` steps, the steps that have none, and how many were carried.
+
+    Steps are taken in the order the run numbers them, from its first (TRL counts from 1, the
+    reference workload from 0). A step that reports no reward of its own after one that did trains
+    on the batch that step generated -- batch reuse and multi-step generation log a reward only when
+    they generate -- so it carries that batch's reward; a run whose first step has none is missing it.
+    """
     from rltune.profile.stats import number
 
     by_step = {int(r["step"]): number(r.get("reward")) for r in rows}
-    missing = [s for s in range(steps) if by_step.get(s) is None]
-    return [by_step.get(s) or 0.0 for s in range(steps)], missing
+    first = min(by_step, default=0)
+    out, missing, carried, last = [], [], 0, None
+    for step in range(first, first + steps):
+        value = by_step.get(step)
+        if value is None and step in by_step and last is not None:
+            value, carried = last, carried + 1
+        if value is None:
+            missing.append(step)
+        out.append(0.0 if value is None else value)
+        last = value if value is not None else last
+    return out, missing, carried
 
 
 def _summary(run_id: str, role: str, seed: int, run_dir: Path, rel: str, overrides: dict, status: str, rows: list[dict],
@@ -371,7 +387,7 @@ class _Runner:
             rows = recorded.rows
             status = recorded.status if recorded.status in ("ok", "failed", "timed_out") else "failed"
             error = "" if recorded.ok else f"{recorded.error}\n{recorded.log_tail}".strip()
-        rewards, missing = _rewards(rows, self.plan.steps)
+        rewards, missing, carried = _rewards(rows, self.plan.steps)
         if status == "ok" and missing:
             status = "failed"
             shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
@@ -379,7 +395,7 @@ class _Runner:
                      f"report a reward every step")
         summary = _summary(run_id, role, seed, run_dir, rel, overrides, status, rows, rewards, self.plan.window, error)
         self.on_run(run_id, "done", status)
-        return _Run(summary, rewards if status == "ok" else [])
+        return _Run(summary, rewards if status == "ok" else [], carried)
 
 
 def _failed_check(common: dict, runs: list[RewardRun], started: float) -> RewardCheck:
@@ -427,6 +443,11 @@ def run_reward_check(tuned: str | Path, plan: RewardCheckPlan, out_dir: str | Pa
     untuned = [runner.run(f"untuned-s{seed}", "untuned", seed, {}) for seed in plan.seeds]
     tuned_run = runner.run(f"tuned-s{plan.seeds[0]}", "tuned", plan.seeds[0], setup)
     runs = [r.summary for r in [*untuned, tuned_run]]
+    for run in (*untuned, tuned_run):
+        if run.carried:
+            notes.append(f"{run.summary.run_id}: {run.carried} of {plan.steps} steps report no reward of their own and "
+                         f"carry the reward of the batch they train, generated at an earlier step (batch reuse or "
+                         f"generating for several steps at once)")
     if any(r.status != "ok" for r in runs):
         check = _failed_check(common, runs, started)
         save_reward_check(check, path)

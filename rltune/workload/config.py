@@ -60,7 +60,12 @@ class EnvConfig:
     temperature: float = field(1.0, doc="sampling temperature (the trainer scales logits the same way)", min=0.05)
     trial_timeout_s: float = field(30.0, doc="a trial still running after this many seconds is cut off (reward 0)", min=0.01)
     max_turns: int = field(3, doc="tool use: model turns per trial", min=1)
-    sandbox_pool_size: int = field(8, doc="tool use: sandboxes that may exist at once; a trial holds one from setup to teardown", min=1)
+    sandbox_pool_size: int = field(8, doc="tool use: sandboxes one sandbox host runs at once (its own limit); a trial holds one from setup to teardown, so hosts x this many trials hold sandboxes at once", min=1)
+    sandbox_hosts: int = field(1, doc="tool use: sandbox host processes, each a server with its own sandboxes, work directory and (sandbox_host_cores) CPUs; trials go to the host with the fewest open", min=1, max=256)
+    sandbox_host_cores: int = field(0, doc="tool use: CPUs each sandbox host is pinned to (os.sched_setaffinity), counted down from the highest this process may use; 0: every host shares all of them", min=0, max=4096)
+    sandbox_endpoints: list[str] = field(default_factory=list, doc="tool use: sandbox services to use instead of starting hosts (unix:/path or tcp:HOST:PORT, speaking the sandbox-host protocol of docs/workload.md); as many as sandbox_hosts")
+    sandbox_test_cases: int = field(0, doc="tool use: mean test cases the environment runs in the sandbox after each executed turn (real CPU and file work, about 1.3 ms a case on one CPU core); 0: none", min=0, max=100000)
+    sandbox_test_tail: float = field(1.5, doc="tool use: Pareto shape of the test cases per turn, drawn per trial and turn from env.seed (smaller: a longer tail; at 1.5 about one turn in 27 runs 3 x the mean or more)", min=1.05, max=20)
     prebuilt_image: bool = field(False, doc="tool use: copy a task image built once per task instead of building it for every trial")
     image_modules: int = field(24, doc="tool use: python modules in a task image; building compiles them all (the per-trial setup cost)", min=0)
     sandbox_cpu_s: int = field(2, doc="tool use: RLIMIT_CPU of one sandbox command, seconds", min=1)
@@ -160,6 +165,16 @@ class WorkloadConfig:
                                                            "a trial could not hold one whole answer")
         if self.env.kind == "tool_use" and self.env.context_limit_tokens < 2 * self.env.max_new_tokens:
             raise FieldProblem("env.context_limit_tokens", "must be at least twice env.max_new_tokens for a multi-turn trial")
+        if self.env.sandbox_endpoints and len(self.env.sandbox_endpoints) != self.env.sandbox_hosts:
+            raise FieldProblem("env.sandbox_hosts", f"is {self.env.sandbox_hosts}, but env.sandbox_endpoints names "
+                               f"{len(self.env.sandbox_endpoints)} sandbox services; set it to their number")
+        for i, endpoint in enumerate(self.env.sandbox_endpoints):
+            from rltune.workload.sandbox_protocol import SandboxProtocolError, parse_endpoint
+
+            try:
+                parse_endpoint(endpoint)
+            except SandboxProtocolError as exc:
+                raise FieldProblem(f"env.sandbox_endpoints[{i}]", str(exc)) from None
         self._validate_vllm()
 
     def _validate_vllm(self) -> None:
@@ -229,7 +244,12 @@ KNOB_EFFECTS = {
     "env.max_terms": "reward (task difficulty); prompt and answer lengths",
     "env.operators": "reward (task difficulty)",
     "trainer.advantage_sign": "reward over steps (-1: falls)",
-    "env.sandbox_pool_size": "rollout_s, sandbox_slot_wait_s (tool use)",
+    "env.sandbox_pool_size": "rollout_s, sandbox_queue_s (too few), sandbox_host_load and sandbox_fs_s (too many on one host)",
+    "env.sandbox_hosts": "sandbox_host_load, sandbox_queue_s, sandbox_setup_s and sandbox_exec_s (hosts bring their own CPUs and disk work), rollout_s",
+    "env.sandbox_host_cores": "sandbox_host_load, sandbox_exec_s; CPUs left to the engines and the trainer",
+    "env.sandbox_endpoints": "where sandboxes run: every sandbox_* column comes from those services",
+    "env.sandbox_test_cases": "sandbox_exec_s, trial_s_max (the long tail), trials_cut_off",
+    "env.sandbox_test_tail": "trial_s_max / trial_s_median, trials_cut_off",
     "env.prebuilt_image": "sandbox_setup_s",
     "env.image_modules": "sandbox_setup_s (size of the image a trial builds)",
     "env.sandbox_cpu_s": "sandbox_kills of CPU-heavy commands",

@@ -193,8 +193,14 @@ class _Job:
         rec.update({k: v for k, v in engine.items() if k not in rec})
         if tool_use:
             rec["sandbox_kills"] = float(sum(t.sandbox_kills for t in trajs))
-            # Mean time a trial waited for a free sandbox (pool_size too small shows here first).
-            rec["sandbox_slot_wait_s"] = self.rollout.pool.take_slot_wait_s() / max(1, len(trajs))
+            # Each sandbox host's load, queue wait and file-system time (what sandbox_hosts_overloaded reads),
+            # and the slowest and typical trial (what long_tail_trials reads).
+            rec.update(self.rollout.sandbox_columns(trajs))
+            seconds = sorted(t.seconds for t in trajs)
+            if seconds:
+                rec["trial_s_max"] = seconds[-1]
+                rec["trial_s_median"] = seconds[len(seconds) // 2] if len(seconds) % 2 else \
+                    (seconds[len(seconds) // 2 - 1] + seconds[len(seconds) // 2]) / 2
         rec.update({k: v for k, v in sync.items() if k not in rec and k != "weight_sync_s"})
         rec.update(extra)
         if step == 0:

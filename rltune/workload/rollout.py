@@ -1,8 +1,11 @@
 """Rollout: engine processes behind a client, and trials (math or multi-turn tool use) in threads.
 
 A trial asks the engines for one model turn at a time; tool-use turns run in the trial's sandbox
-and their output becomes the next observation. A group is one task's ``trials_per_task`` trials;
-GRPO needs the whole group, so a group finishes with its slowest trial (or its time-out).
+on one of the sandbox hosts (:mod:`rltune.workload.sandbox_hosts`) and their output becomes the
+next observation; after each executed turn the environment runs the task's test cases there
+(``env.sandbox_test_cases``, a long-tailed number drawn per trial and turn). A group is one task's
+``trials_per_task`` trials; GRPO needs the whole group, so a group finishes with its slowest trial
+(or its time-out, counted from the trial's start: waiting for a sandbox and setting it up count).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass, field
 from rltune.errors import RltuneError
 from rltune.workload.config import WorkloadConfig
 from rltune.workload.envs import Task, make_math_task, make_tool_task, partial_credit, tool_observation
-from rltune.workload.sandbox import SandboxLimits, SandboxPool
+from rltune.workload.sandbox import ImageSpec, SandboxLimits
 from rltune.workload.tokenizer import TOKENIZER
 
 
@@ -222,6 +225,11 @@ class Trajectory:
     setup_s: float | None = None
     exec_s: float | None = None
     sandbox_kills: int = 0
+    host: int | None = None
+    queue_s_sandbox: float | None = None
+    fs_s: float | None = None
+    tests_run: int = 0
+    seconds: float = 0.0
     queue_s: list[float] = field(default_factory=list)
     prefill_s: list[float] = field(default_factory=list)
     decode_s: list[float] = field(default_factory=list)
@@ -253,11 +261,15 @@ class Rollout:
         self._task_ids = itertools.count()
         workers = 2 * cfg.batch_size * (1 + cfg.orchestrator.max_sample_age) + 8
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rltune-trial")
-        self.pool = None
+        self.hosts = None
         if self.env.kind == "tool_use":
+            from rltune.workload.sandbox_hosts import SandboxHosts
+
             limits = SandboxLimits(self.env.sandbox_cpu_s, self.env.sandbox_memory_mb, self.env.sandbox_wall_s)
-            self.pool = SandboxPool(self.env.sandbox_pool_size, limits, self.env.prebuilt_image,
-                                    self.env.image_modules, workdir)
+            self.hosts = SandboxHosts(self.env.sandbox_hosts, self.env.sandbox_pool_size, limits,
+                                      ImageSpec(self.env.image_modules, self.env.prebuilt_image),
+                                      cores_per_host=self.env.sandbox_host_cores,
+                                      endpoints=self.env.sandbox_endpoints, workdir=workdir)
 
     def next_task(self) -> Task:
         task_id = f"t{next(self._task_ids)}"
@@ -269,7 +281,7 @@ class Rollout:
         """Start the task's trials; the returned future gives the :class:`Group` when all are done."""
         started = time.monotonic()
         n = self.cfg.orchestrator.trials_per_task
-        trial_futures = [self.executor.submit(self._trial, task) for _ in range(n)]
+        trial_futures = [self.executor.submit(self._trial, task, index) for index in range(n)]
         group_future: Future = Future()
         remaining = [n]
         lock = threading.Lock()
@@ -315,56 +327,119 @@ class Rollout:
         traj.rollout_logprobs.extend(result["logprobs"])
         return result["tokens"]
 
-    def _trial(self, task: Task) -> Trajectory:
+    def _trial(self, task: Task, index: int = 0) -> Trajectory:
         prompt = TOKENIZER.encode(task.prompt, bos=True)
         traj = Trajectory(list(prompt), [False] * len(prompt), [0.0] * len(prompt))
+        started = time.monotonic()
         try:
             if self.env.kind == "math":
-                deadline = time.monotonic() + self.env.trial_timeout_s
+                deadline = started + self.env.trial_timeout_s
                 tokens = self._turn(traj, traj.tokens, self.env.max_new_tokens, deadline)
                 if tokens is not None:
                     traj.reward = partial_credit(TOKENIZER.decode(tokens), task.answer)
             else:
-                self._tool_trial(task, traj)
-        except OSError as exc:  # sandbox setup failed (disk, fork): the trial failed, the run goes on
+                self._tool_trial(task, traj, index, started + self.env.trial_timeout_s)
+        except OSError as exc:  # sandbox setup failed (disk, fork) or its host died: the trial failed, the run goes on
             traj.failed = True
             traj.error = f"{type(exc).__name__}: {exc}"
+            traj.host = getattr(exc, "host", traj.host)
             traj.reward = 0.0
         if traj.cut_off:
             traj.reward = 0.0
+        traj.seconds = time.monotonic() - started
         return traj
 
-    def _tool_trial(self, task: Task, traj: Trajectory) -> None:
-        with self.pool.sandbox(task.files) as box:
-            traj.setup_s = box.setup_s
-            deadline = time.monotonic() + self.env.trial_timeout_s
-            final_text = ""
-            for turn in range(self.env.max_turns):
-                room = self.env.context_limit_tokens - len(traj.tokens)
-                if room < 1:
-                    break
-                tokens = self._turn(traj, traj.tokens, min(self.env.max_new_tokens, room), deadline)
-                if tokens is None:
-                    break
-                final_text = TOKENIZER.decode(tokens)
-                if final_text.strip().startswith("answer") or turn == self.env.max_turns - 1:
-                    break
-                result = box.execute(final_text)
-                traj.sandbox_kills += int(result.killed)
-                if time.monotonic() > deadline:
-                    traj.cut_off = True
-                    break
-                observation = TOKENIZER.encode(tool_observation(result.output))
-                if len(traj.tokens) + len(observation) >= self.env.context_limit_tokens:
-                    break
-                traj.tokens.extend(observation)
-                traj.loss_mask.extend([False] * len(observation))
-                traj.rollout_logprobs.extend([0.0] * len(observation))
-            traj.exec_s = box.exec_s
-            if not traj.cut_off:
-                traj.reward = partial_credit(final_text, task.answer)
+    def test_cases(self, task: Task, index: int, turn: int) -> int:
+        """Test cases the environment runs after turn ``turn`` of trial ``index`` of ``task``: the
+        configured mean times a Pareto draw of mean 1 (shape ``sandbox_test_tail``), fixed by env.seed."""
+        mean = self.env.sandbox_test_cases
+        if mean <= 0:
+            return 0
+        alpha = self.env.sandbox_test_tail
+        rng = random.Random(f"{self.env.seed}:{task.task_id}:{index}:{turn}")
+        draw = (alpha - 1.0) / alpha * rng.paretovariate(alpha)  # scale x_m = (a - 1) / a: mean 1
+        return max(1, min(int(round(mean * draw)), 100 * mean))
+
+    def _tool_trial(self, task: Task, traj: Trajectory, index: int, deadline: float) -> None:
+        with self.hosts.sandbox(task.files) as box:
+            traj.setup_s, traj.host, traj.queue_s_sandbox = box.setup_s, box.host, box.queue_s
+            try:
+                final_text = self._turns(task, traj, index, deadline, box)
+            finally:
+                traj.exec_s = box.exec_s
+        traj.fs_s = box.fs_s  # with the teardown's file-system time, known once the sandbox is closed
+        if not traj.cut_off:
+            traj.reward = partial_credit(final_text, task.answer)
+
+    def _turns(self, task: Task, traj: Trajectory, index: int, deadline: float, box) -> str:
+        """The trial's turns in its sandbox; the text of its last model turn."""
+        final_text = ""
+        if time.monotonic() > deadline:  # waiting for a sandbox and setting it up used the trial's time
+            traj.cut_off = True
+            return final_text
+        for turn in range(self.env.max_turns):
+            room = self.env.context_limit_tokens - len(traj.tokens)
+            if room < 1:
+                break
+            tokens = self._turn(traj, traj.tokens, min(self.env.max_new_tokens, room), deadline)
+            if tokens is None:
+                break
+            final_text = TOKENIZER.decode(tokens)
+            if final_text.strip().startswith("answer") or turn == self.env.max_turns - 1:
+                break
+            tests = self.test_cases(task, index, turn)
+            # The command may run only as long as the trial has left: past its time-out it is cut off.
+            result = box.execute(final_text, tests=tests, wall_s=max(0.01, deadline - time.monotonic()))
+            traj.tests_run += tests
+            traj.sandbox_kills += int(result.killed)
+            if time.monotonic() > deadline:
+                traj.cut_off = True
+                break
+            observation = TOKENIZER.encode(tool_observation(result.output))
+            if len(traj.tokens) + len(observation) >= self.env.context_limit_tokens:
+                break
+            traj.tokens.extend(observation)
+            traj.loss_mask.extend([False] * len(observation))
+            traj.rollout_logprobs.extend([0.0] * len(observation))
+        return final_text
+
+    def sandbox_columns(self, trajs: list[Trajectory]) -> dict[str, float]:
+        """The step's sandbox-host columns (tool use): per trial means, each host's load and its trials' figures.
+
+        ``sandbox_host_load`` is the busiest host's (its runnable commands per core while any ran);
+        ``sandbox_queue_s`` and ``sandbox_fs_s`` are means per trial that got a sandbox;
+        ``sandbox_host/<i>/...`` the same per host (a host that is gone keeps its trials and failed
+        counts, and has no load).
+        """
+        from statistics import median
+
+        placed = [t for t in trajs if t.host is not None]
+        stats = self.hosts.host_stats()
+        out: dict[str, float] = {"sandbox_hosts": float(self.hosts.live_count()),
+                                 "sandbox_hosts_lost": float(self.hosts.lost)}
+        if placed:
+            out["sandbox_queue_s"] = sum(t.queue_s_sandbox or 0.0 for t in placed) / len(placed)
+            out["sandbox_fs_s"] = sum(t.fs_s or 0.0 for t in placed) / len(placed)
+            out["sandbox_tests_mean"] = sum(t.tests_run for t in placed) / len(placed)
+        loads = [s["load"] for s in stats if s is not None and s["busy_frac"] > 0]
+        if loads:
+            out["sandbox_host_load"] = max(loads)
+        for index, stat in enumerate(stats):
+            prefix = f"sandbox_host/{index}/"
+            if stat is not None:
+                out[prefix + "load"] = float(stat["load"])
+                out[prefix + "busy_frac"] = float(stat["busy_frac"])
+            mine = [t for t in placed if t.host == index]
+            out[prefix + "trials"] = float(len(mine))
+            out[prefix + "failed"] = float(sum(t.failed for t in mine))
+            if mine:
+                out[prefix + "queue_s"] = sum(t.queue_s_sandbox or 0.0 for t in mine) / len(mine)
+                out[prefix + "fs_s"] = sum(t.fs_s or 0.0 for t in mine) / len(mine)
+                out[prefix + "setup_s"] = sum(t.setup_s or 0.0 for t in mine) / len(mine)
+                out[prefix + "trial_s"] = median(t.seconds for t in mine)
+        return out
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
-        if self.pool is not None:
-            self.pool.close()
+        if self.hosts is not None:
+            self.hosts.close()

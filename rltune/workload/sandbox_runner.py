@@ -7,6 +7,11 @@ trial directory, arithmetic goes through an AST allow-list. Anything else prints
 This file imports only the standard library; it must not import rltune.
 
 Commands: ls | cat NAME | sum NAME | wc NAME | calc EXPR | run MODULE
+
+``--tests N`` after the turn text runs N of the task's test cases once the command is done (the
+environment's check, as an agent's harness runs a task's tests): case i imports library module
+``i mod modules``, runs its helper over its data ``CASE_REPEAT`` times and writes the result to
+``results/case<i>.txt``. Real CPU and file-system work, in proportion to N.
 """
 
 import ast
@@ -16,6 +21,8 @@ import os
 import sys
 
 MAX_OUTPUT = 200
+# Helper calls per test case: about 1.3 ms of CPU a case (with its file) on one core of the development machine.
+CASE_REPEAT = 40
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
@@ -71,13 +78,40 @@ def execute(turn):
     return f"error: unknown command {cmd[:20]!r} (ls, cat, sum, wc, calc, run)"
 
 
+def run_tests(cases):
+    """Run ``cases`` test cases of the image's library; a one-line summary."""
+    names = sorted(name[:-3] for name in os.listdir("lib") if name.endswith(".py")) if os.path.isdir("lib") else []
+    if not names or cases <= 0:
+        return "tests: none"
+    os.makedirs("results", exist_ok=True)
+    loaded = {}
+    failed = 0
+    for case in range(cases):
+        name = names[case % len(names)]
+        if name not in loaded:
+            spec = importlib.util.spec_from_file_location(name, os.path.join("lib", name + ".py"))
+            loaded[name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(loaded[name])
+        values = [loaded[name].main() for _ in range(CASE_REPEAT)]
+        failed += len(set(values)) != 1  # a helper is deterministic: two answers would be a failing test
+        with open(os.path.join("results", f"case{case}.txt"), "w", encoding="utf-8") as handle:
+            handle.write(f"{name} {values[0]}\n")
+    return f"tests: {cases - failed} passed, {failed} failed"
+
+
 def main():
-    turn = sys.argv[1] if len(sys.argv) > 1 else ""
+    args = sys.argv[1:]
+    tests = 0
+    if len(args) >= 3 and args[-2] == "--tests" and args[-1].isdigit():
+        tests, args = int(args[-1]), args[:-2]
+    turn = args[0] if args else ""
     try:
         out = execute(turn)
     except (ValueError, OSError, SyntaxError, RecursionError, ZeroDivisionError) as exc:
         out = f"error: {exc}"
-    sys.stdout.write(out[:MAX_OUTPUT])
+    if tests:
+        out = out[:MAX_OUTPUT] + "\n" + run_tests(tests)
+    sys.stdout.write(out[:MAX_OUTPUT * 2])
 
 
 if __name__ == "__main__":

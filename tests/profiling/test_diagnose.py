@@ -93,6 +93,9 @@ def test_the_seed_example_names_all_three_problems_and_rollout_limits():
     ({"trial_s_max": 50.0, "trial_s_median": 10.0}, "long_tail_trials", 10.0 * (1 - 3 / 5)),
     ({"sandbox_setup_s": 3.0, "sandbox_exec_s": 1.0}, "sandbox_setup_dominant", 3.0 - 0.2 * 4.0),
     ({"sandbox_queue_s": 2.0, "sandbox_setup_s": 1.0, "sandbox_exec_s": 2.0}, "sandbox_hosts_overloaded", 2.0),
+    ({"sandbox_host_load": 4.0, "sandbox_queue_s": 0.0, "sandbox_setup_s": 1.0, "sandbox_exec_s": 3.0},
+     "sandbox_hosts_overloaded", 4.0 * (1 - 1 / 4.0)),  # a measured queue of 0 does not hide the crowded cores
+    ({"sandbox_fs_s": 1.5, "sandbox_setup_s": 1.0, "sandbox_exec_s": 1.0}, "sandbox_hosts_overloaded", 1.5 - 0.2 * 2.0),
     ({"weight_sync_s": 2.0}, "weight_sync_on_critical_path", 2.0),
     ({"step_s": 20.0}, "unaccounted_step_time", 20.0 - 14.0),
 ])
@@ -108,6 +111,7 @@ def test_each_detector_fires_with_its_cost_in_step_seconds(columns, pid, severit
     {"engine_prefill_s": 1.0, "engine_decode_s": 9.0}, {"engine_queue_s": 1.0, "engine_prefill_s": 1.0, "engine_decode_s": 8.0},
     {"kv_cache_usage": 0.9, "engine_preemptions": 0.0}, {"trials_total": 100.0, "trials_cut_off": 1.0},
     {"sandbox_setup_s": 1.0, "sandbox_exec_s": 2.0}, {"sandbox_host_load": 0.8}, {"weight_sync_s": 0.5},
+    {"sandbox_host_load": 1.0, "sandbox_queue_s": 0.1, "sandbox_fs_s": 0.5, "sandbox_setup_s": 1.0, "sandbox_exec_s": 2.0},
     {"step_s": 14.5},
 ])
 def test_below_each_threshold_no_problem_is_named(columns):

@@ -16,9 +16,11 @@ import pytest
 import yaml
 
 from rltune.cli.main import main
+from rltune.contracts.learning import load_learning_checks
 from rltune.contracts.reward_check import REWARD_CHECK_NAME, RewardCheck, load_reward_check, save_reward_check
 from rltune.contracts.stages import read_stages
 from rltune.errors import ArtifactError
+from rltune.tune.auto import AutoLoop
 from rltune.tune.reward_check import (
     BAND_Z,
     RewardCheckInputError,
@@ -81,6 +83,21 @@ def test_a_curve_outside_the_band_fails_within_band_and_one_below_also_fails_fin
     below = judge_curve([0, -6, 0, -6], band)                   # averages -3.0: 3.5 below
     assert [r.passed for r in below.rules] == [False, False]
     assert below.final_delta == pytest.approx(-3.5) and below.max_deviation_step == 1
+
+
+def test_rewards_follow_the_runs_own_step_numbers_and_reused_batches_carry_their_reward():
+    from rltune.tune.reward_check import _rewards
+
+    # The reference workload counts steps from 0, TRL from 1: either is the run's first step.
+    assert _rewards([{"step": s, "reward": 0.1 * s} for s in range(3)], 3) == ([0.0, 0.1, 0.2], [], 0)
+    assert _rewards([{"step": s, "reward": 0.1 * s} for s in (1, 2, 3)], 3)[0] == pytest.approx([0.1, 0.2, 0.3])
+    # Batch reuse 2: only the generating steps report a reward; the steps between train that batch.
+    rows = [{"step": 1, "reward": 0.5}, {"step": 2, "reward": None}, {"step": 3, "reward": 0.7}, {"step": 4, "reward": None}]
+    assert _rewards(rows, 4) == ([0.5, 0.5, 0.7, 0.7], [], 2)
+    # A first step with no reward, or a step the run never reached, is missing, never made up.
+    assert _rewards([{"step": 0, "reward": None}, {"step": 1, "reward": 0.2}], 2)[1] == [0]
+    assert _rewards([{"step": 0, "reward": 0.3}], 3)[1] == [1, 2]
+    assert _rewards([{"step": 0, "reward": float("nan")}, {"step": 1, "reward": 0.2}], 2)[1] == [0]
 
 
 def test_kept_changes_follow_the_journal_and_a_later_change_owns_a_knob_it_moved_again(tmp_path):
@@ -273,7 +290,20 @@ def test_auto_checks_its_tuned_preset_blames_the_knob_of_a_bundle_and_the_report
     assert event.decision == "fail" and event.blamed == [bundle, f"{bundle}: advantage_sign"]
     assert [e.event for e in journal.events()][-2:] == ["reward_check", "finish"]
     check = load_reward_check(work / event.verdict)
-    assert check.tuned_job == str(tmp_path / "tuned" / "tiny-math-learn-cpu.yaml")
+    # The check ran on a candidate in the work directory, before the tuned preset was written.
+    assert check.tuned_job == str(work / "reward-check" / "candidate" / "tiny-math-learn-cpu.yaml")
+    preset = (tmp_path / "tuned" / "tiny-math-learn-cpu.yaml").read_text()
+    assert f"# learning: FAIL (reward-check over {STEPS} steps" in preset
+    assert f"to blame {bundle}, {bundle}: advantage_sign; the tuner no longer proposes it" in preset
+    finish = replay(journal.events()).finish
+    assert (finish.learning, finish.learning_changes) == ("fail", [bundle])  # flip_advantage: no fix the knowledge base knows
+    # The ban went to the case library: only the knob whose undoing alone passed.
+    recorded = load_learning_checks(work / "cases").learning_checks
+    assert [(r.job_name, r.decision, [(b.change, b.knobs) for b in r.banned]) for r in recorded] == [
+        ("tiny-math-learn-cpu", "fail", [(f"{bundle}: advantage_sign", {"advantage_sign": -1})])]
+    # A later tuning of the job on that library (a fresh work directory) never proposes it again.
+    later = AutoLoop(against, tmp_path / "later", library=work / "cases")
+    assert {("advantage_sign", -1)} in later._limit_breaking_settings()
     assert check.window == 2  # the default: a tenth of the steps, at least 2
     assert [(a.change, a.run_id, a.passed) for a in check.attribution] == [
         (bundle, "untuned-s0", True),                                        # undone: the untuned setup
@@ -285,3 +315,72 @@ def test_auto_checks_its_tuned_preset_blames_the_knob_of_a_bundle_and_the_report
     section = page[page.index("<h2>Reward check</h2>"):]
     assert "FAIL" in section[:400] and 'src="data:image/png;base64,' in section
     assert "flip_advantage" in section and "To blame" in section
+
+
+def test_auto_without_a_reward_check_marks_a_learning_change_unchecked_and_counts_what_tuning_cost(broken, tmp_path,
+                                                                                                     capsys):
+    """A finished tuning whose one kept change is fully async (knowledge.yaml: risks reward), resumed to its
+    finish with no --reward-check: the preset says learning unchecked, the report says so, and --json and the
+    report give the device-seconds of every run in the work directory."""
+    import json
+    import os
+
+    from rltune.tune.journal import Journal, replay
+
+    _, against, broken_out, _ = broken
+    work = tmp_path / "tune"
+    for name, run in (("r0-untuned", "untuned-s0"), ("r1-c1-a1", "tuned-s0")):
+        shutil.copytree(broken_out / "runs" / run, work / "runs" / name)
+    # A run cut off by a kill: its launch record holds only its submission; it counts to its last write.
+    cut = work / "runs" / "r1-c2-a1"
+    cut.mkdir()
+    (cut / "launch.json").write_text(json.dumps({"version": 1, "submitted_at": 1000.0}))
+    (cut / "launch.log").write_text("step 0\n")
+    for f in cut.iterdir():
+        os.utime(f, (1042.5, 1042.5))
+    walls = [json.loads((work / "runs" / n / "launch.json").read_text())["wall_s"] for n in ("r0-untuned", "r1-c1-a1")]
+    journal = Journal(work / "journal.jsonl")
+    base = yaml.safe_load(against.read_text())["knobs"]
+    knobs = {**base, "rl_mode": "fully_async"}
+    add_event(journal, "start", job=str(against), job_name="tiny-math-learn-cpu", gpus=0, device="cpu", rl_mode="sync",
+              rounds=1, trial_budget=1, steps=STEPS, baseline_runs=1, library="cases")
+    add_event(journal, "baseline", round=0, run_id="r0-untuned", run_ids=["r0-untuned"], run_dir="runs/r0-untuned",
+              run_dirs=["runs/r0-untuned"], knobs=base, step_s=1.0, step_median_s=1.0, stages_s={},
+              limiting_stage="rollout", problems=[], noise_pct=5.0, noise="")
+    add_event(journal, "trial", round=1, run_id="r1-c1-a1", run_dirs=["runs/r1-c1-a1"], candidate="r1-c1",
+              fixes=["fully_async"], group="async", knobs=knobs, decision="keep", reason="faster", step_s=0.5,
+              median_s=0.5, baseline_step_s=1.0, gain_pct=50.0, noise_pct=5.0)
+    add_event(journal, "round_end", round=1, outcome="kept", baseline_run="r1-c1-a1")
+    capsys.readouterr()
+    code = main(["auto", str(against), "--workdir", str(work), "--rounds", "1", "--trials", "1", "--tuned-dir",
+                 str(tmp_path / "tuned"), "--no-live", "--json"])
+    out = capsys.readouterr()
+    assert code == 0
+    summary = json.loads(out.out.strip().splitlines()[-1])
+    assert summary["learning"] == "unchecked" and summary["learning_changes"] == ["r1-c1-a1 (fully_async)"]
+    assert "learning unchecked: r1-c1-a1 (fully_async)" in out.err
+    cost = summary["tuning_cost"]
+    assert (cost["runs"], cost["unfinished"], cost["devices"], cost["device"]) == (3, 1, 1, "CPU host")
+    assert cost["wall_s"] == pytest.approx(sum(walls) + 42.5) and cost["device_s"] == pytest.approx(cost["wall_s"])
+    assert cost["saving_s_per_step"] == pytest.approx(0.5) and cost["payback_steps"] == pytest.approx(cost["wall_s"] / 0.5)
+    preset = (tmp_path / "tuned" / "tiny-math-learn-cpu.yaml").read_text()
+    assert "# learning: UNCHECKED: r1-c1-a1 (fully_async) alter what is learned per fresh sample" in preset
+    assert replay(journal.events()).reward_check is None  # nothing ran
+    page = (work / "report.html").read_text()
+    assert "UNCHECKED" in page and "What tuning cost" in page and "paid back after" in page
+    assert not (work / "cases" / "learning-checks.yaml").exists()
+
+
+def test_which_kept_changes_alter_what_is_learned():
+    from rltune.tune.knowledge import load_default_knowledge
+    from rltune.tune.learning import alters_learning
+
+    knowledge = load_default_knowledge()
+    for fix in ("fully_async", "one_step_async", "longer_sample_age", "reuse_each_batch_twice",
+                "generate_two_steps_at_once"):
+        assert alters_learning([fix], knowledge), fix
+    for fix in ("sequence_packing", "larger_micro_batch", "engine_compile", "sandbox_host_on_spare_cores",
+                "prebuilt_image", "inprocess_sync"):
+        assert not alters_learning([fix], knowledge), fix
+    assert alters_learning(["sequence_packing", "fully_async"], knowledge)  # a bundle with one
+    assert alters_learning(["a_fix_no_knowledge_base_holds"], knowledge)  # nothing says it does not
