@@ -1,8 +1,8 @@
 """Inside each vLLM worker: the extension vLLM mixes into its worker class (``worker_extension_cls``).
 
-:class:`RltuneWorkerExtension` adds five methods that an orchestrator calls through vLLM's
+:class:`RltuneWorkerExtension` adds six methods that an orchestrator calls through vLLM's
 ``collective_rpc`` (every worker of the engine runs each): ``rltune_attach``, ``rltune_prepare``,
-``rltune_update``, ``rltune_verify`` and ``rltune_weights``. Each takes one JSON string and returns a JSON-able dict,
+``rltune_prepared``, ``rltune_update``, ``rltune_verify`` and ``rltune_weights``. Each takes one JSON string and returns a JSON-able dict,
 so the same calls work in-process (``LLM.collective_rpc``) and over HTTP (``vllm serve`` with
 ``VLLM_SERVER_DEV_MODE=1``: ``POST /collective_rpc``). An rltune error comes back as
 ``{"ok": false, "error": <class name>, "message": ...}`` rather than as an exception, so that
@@ -423,6 +423,13 @@ class WorkerSync:
         thread.start()
         return dict(step=step, started=True)
 
+    def prepared(self) -> dict[str, Any]:
+        """Whether the prefetch begun last has finished (``step`` None: none was begun)."""
+        if self._prefetch is None:
+            return dict(step=None, done=True)
+        step, thread, _ = self._prefetch
+        return dict(step=step, done=not thread.is_alive())
+
     def _join_prefetch(self) -> dict[str, Any]:
         if self._prefetch is None:
             return {}
@@ -550,6 +557,10 @@ class RltuneWorkerExtension:
     def rltune_prepare(self, request: str = "") -> dict[str, Any]:
         """``{"step": S}``: start reading and decoding step S's changes; returns at once."""
         return _call(lambda step: dict(ok=True, **self._rltune_sync().prepare(_step(step))), request)
+
+    def rltune_prepared(self, request: str = "") -> dict[str, Any]:
+        """``{}``: whether the prefetch begun last has finished (``{"step": S, "done": bool}``)."""
+        return _call(lambda: dict(ok=True, **self._rltune_sync().prepared()), request)
 
     def rltune_update(self, request: str = "") -> dict[str, Any]:
         """``{"step": S, "wait_s": 0}``: bring the weights to step S in place (or reload + replay) and verify
