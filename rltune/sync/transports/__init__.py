@@ -18,7 +18,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from rltune.sync.transports.registry import ALIASES, ENGINE_FAMILIES, TRANSPORT_NAMES, TRANSPORTS, transport_info
+from rltune.sync.transports.registry import (
+    ALIASES,
+    ENGINE_FAMILIES,
+    TRANSPORT_NAMES,
+    TRANSPORTS,
+    transport_info,
+)
 
 _BASE = ("NCCL_SAFE_ENV", "EngineGate", "Loader", "LoadResult", "Publisher", "PublishResult", "TransportError",
          "TransportUnavailableError", "UpdateResult", "load_into", "set_nccl_safe_env", "synchronize", "timed",
