@@ -159,10 +159,25 @@ class GlmMoeTrainer(Trainer):
         self.save()
 
 
+def _ensure_expert_group() -> None:
+    """vLLM creates its expert-parallel group only when the first engine of a process serves an MoE model,
+    and later engines of the process reuse the groups it made; an in-process MoE engine started after a
+    dense one would find none. With one worker the group is that worker alone: make it if it is missing."""
+    from vllm.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized() and ps._EP is None:
+        world = ps.get_world_group()
+        backend = torch.distributed.get_backend(world.device_group)
+        ps._EP = ps.init_model_parallel_group([[world.rank]], world.local_rank, backend, group_name="ep")
+
+
 def start_engine(model_dir: Path, tp: int = 1, extension: bool = True):
     from vllm import LLM
 
     from rltune.sync.vllm import WORKER_EXTENSION
+
+    if tp == 1:
+        _ensure_expert_group()
 
     kw = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=128,
               kv_cache_memory_bytes=16 << 20, tensor_parallel_size=tp, seed=0)
