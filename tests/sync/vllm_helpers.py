@@ -56,7 +56,7 @@ class Trainer:
     """A real Qwen3 (random init, bf16), real AdamW steps, a DeltaPublisher; ``save`` writes HF checkpoints."""
 
     def __init__(self, workdir: Path, interval: int = 3, layers: int = 2, run_id: str = "vllm-test", seed: int = 0,
-                 lr: float = 1e-3):
+                 lr: float = 1e-3, kv_heads: int = 2):
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
         from rltune.sync.sender import DeltaPublisher
@@ -64,7 +64,7 @@ class Trainer:
         self.workdir = Path(workdir)
         self.root = self.workdir / "broadcast"
         cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=256, num_hidden_layers=layers,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                          num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=32, max_position_embeddings=256,
                           tie_word_embeddings=False)
         torch.manual_seed(seed)
         self.model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
