@@ -49,6 +49,7 @@ import torch
 from rltune.errors import RltuneError
 from rltune.sync import codec
 from rltune.sync import format as fmt
+from rltune.sync.casting import CastLoads
 from rltune.sync.group import TorchCollectives, TpGroup, as_typed
 from rltune.sync.indexmap import IndexMap, TensorRuns
 from rltune.sync.kernels import checksum_pairs
@@ -110,7 +111,9 @@ class DeltaReceiver:
 
     def __init__(self, root: str | Path, model: torch.nn.Module, index_map: IndexMap, *, group: Any = None,
                  apply_fn: ApplyFn = apply_mapped_delta_ref, fused: bool | None = None, fused_backend: str = "auto",
-                 max_fallbacks: int = 2):
+                 max_fallbacks: int = 2, manifest: dict[str, Any] | None = None):
+        """``manifest``: any manifest of the run (its tensors' dtypes), to set the cast tensors apart now
+        (before :meth:`check_layout`); without it they are set apart at the first update."""
         self.store = BroadcastStore(root)
         params = dict(model.named_parameters())
         missing = [n for n in index_map.param_names if n not in params]
@@ -119,6 +122,11 @@ class DeltaReceiver:
                                     "record the map from this engine")
         self.params = [params[n] for n in index_map.param_names]
         self.imap, self.group, self.apply_fn = index_map, group, apply_fn
+        # tensors the engine holds in another dtype than the checkpoint's: loaded by value, never patched
+        self.full_map = index_map
+        self.cast: CastLoads | None = None
+        if manifest is not None:
+            self._split_cast(manifest)
         # the TP group's protocol (rltune.sync.group): a process group, or Collectives of the engine's own
         collectives = group if group is None or hasattr(group, "all_gather_ints") else TorchCollectives(group)
         self.tp = TpGroup(collectives, on_lost=self._lost)
@@ -191,6 +199,10 @@ class DeltaReceiver:
             slot[1][what] = make()
         return slot[1][what]
 
+    def _split_cast(self, manifest: dict[str, Any]) -> None:
+        named = dict(zip(self.full_map.param_names, self.params, strict=True))
+        self.imap, self.cast = CastLoads.split(self.store, self.full_map, named, manifest)
+
     def _check_static(self, manifest: dict[str, Any], where: str) -> None:
         """Whenever a manifest's names, dtypes or shapes differ from the last checked: they match the index
         map, the parameters' dtypes, and the group covers each tensor evenly (multiplicity).
@@ -200,6 +212,8 @@ class DeltaReceiver:
         key = self._spec_key(manifest)
         if self._multiplicity is not None and key == self._static_key:
             return
+        if self.cast is None:
+            self._split_cast(manifest)
         names = sorted(manifest["tensors"])
         counts, possums, problem = [], [], None
         try:
@@ -508,6 +522,10 @@ class DeltaReceiver:
             where = str(self.store.step_dir(s) / fmt.MANIFEST_NAME)
             timed("check", lambda m=m, where=where: self._group_phase(lambda: self._check_static(m, where),
                                                                      "checking the manifest against the index map"))
+        cast = self.cast if self.cast is not None and self.cast.names else None
+        if cast is not None:  # read (every worker) before anything is written; a delta that changed one raises here
+            timed("check", lambda: self._group_phase(lambda: cast.stage(plan["target"]),
+                                                     f"reading the cast tensors of step {plan['target']}"))
         candidates = plan["candidates"]
         first_error: RltuneError | None = None
         for i, (anchor, deltas) in enumerate(candidates):
@@ -523,6 +541,13 @@ class DeltaReceiver:
                 continue
             report.anchor, report.deltas = anchor, list(deltas)
             break
+        if cast is not None:
+            try:
+                timed("write", lambda: self._group_phase(cast.write, "writing the cast tensors"))
+            except Exception:
+                self.valid = False  # the next update reloads everything, cast tensors included
+                cast.forget()
+                raise
         m = mans[plan["target"]]
         self.valid, self.step, self.run_id, self.attempt = True, plan["target"], m["run_id"], m["attempt"]
         report.seconds = time.perf_counter() - t0

@@ -42,9 +42,9 @@ class RpcError(RltuneError):
 
 def error_class(name: str) -> type[RltuneError]:
     """The rltune error class called ``name`` (what a worker reported), or RltuneError."""
+    from rltune.sync import casting, kernels
     from rltune.sync import format as fmt
-    from rltune.sync import kernels
-    from rltune.sync.vllm import casting, worker
+    from rltune.sync.vllm import worker
 
     for module in (fmt, worker, casting, kernels):
         cls = getattr(module, name, None)

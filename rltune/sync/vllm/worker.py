@@ -38,7 +38,7 @@ What attaching does, on every worker:
    GLM-4.5's router in float32 whatever the checkpoint holds) cannot take a delta of the
    checkpoint's bits: it leaves the receiver's map and is loaded by value with the loader's own
    cast, at anchors only; a delta that changes one is refused before anything is written
-   (:mod:`rltune.sync.vllm.casting`).
+   (:mod:`rltune.sync.casting`).
 5. The latest complete anchor (only the rows this worker holds) and the deltas since, verified.
 
 Before every update writes anything, the worker checks that each parameter it writes is still the
@@ -130,7 +130,7 @@ def record_index_map(vllm_config, spec: dict[str, tuple[list[int], str]], source
     def placeholder_model(dtype: torch.dtype) -> torch.nn.Module:
         model = build_unprocessed_model(vllm_config, dtype)
         # parameters vLLM builds in a dtype of their own (GLM-4.5's float32 router) hold codes too; what the
-        # engine holds them in is read from the serving model (rltune.sync.vllm.casting)
+        # engine holds them in is read from the serving model (rltune.sync.casting)
         for p in model.parameters():
             if p.is_floating_point() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
@@ -372,7 +372,6 @@ class WorkerSync:
     def __init__(self, worker, root: str, timeout_s: float, verify: str):
         from rltune.sync.receiver import DeltaReceiver
         from rltune.sync.store import BroadcastStore
-        from rltune.sync.vllm.casting import CastLoads
 
         self.worker = worker
         self.timeout_s = timeout_s
@@ -393,12 +392,9 @@ class WorkerSync:
         self.index_map = tp.phase(lambda: record_index_map(config, spec, source, self.model),
                                   "attaching: recording the index map")
         self.record_s = time.perf_counter() - start
-        named = dict(self.model.named_parameters())
-        # tensors the engine holds in another dtype than the checkpoint's are loaded by value, not patched
-        receiver_map, self.cast = CastLoads.split(store, self.index_map, named, manifest)
         # the weights the engine booted with, as its own loader laid them out: for plain CPU weights and for
         # the layout check; built only when one of them needs it
-        layout_key = receiver_map.fingerprint()
+        layout_key = self.index_map.fingerprint()
         cached = getattr(worker, "_rltune_layout", None)
         checking = not (cached and cached[0] == layout_key)
         fresh = None
@@ -408,14 +404,16 @@ class WorkerSync:
         self.plain_layers = keep_plain_weights(self.model, config, fresh) if self.device.type == "cpu" else 0
         named = dict(self.model.named_parameters())
         self.params = {n: named[n] for n in self.index_map.param_names}
-        self.cast.params = [named[n] for n in self.index_map.param_names]
         self.guard = KernelGuard(self.model, self.params)
         tp.phase(self.guard, "attaching: checking the parameters the receiver writes")
         # GPU: the fused Triton kernel; CPU: its compiled CPU pass (the torch reference, ~1 µs a change on
         # two cores, would hold the pause for seconds at 100 M parameters)
         fused_backend = "triton" if self.device.type == "cuda" else "numba"
-        self.receiver = DeltaReceiver(root, self.model, receiver_map, group=self.group, fused=True,
-                                      fused_backend=fused_backend)
+        # tensors the engine holds in another dtype than the checkpoint's (GLM-4.5's float32 router) are set
+        # apart now, loaded by value and never patched (rltune.sync.casting)
+        self.receiver = DeltaReceiver(root, self.model, self.index_map, group=self.group, fused=True,
+                                      fused_backend=fused_backend, manifest=manifest)
+        self.cast = self.receiver.cast
         self.receiver.before_write = self.guard
         self.layout = self._layout(worker, layout_key, cached, fresh)
         self.verify = verify
@@ -449,29 +447,7 @@ class WorkerSync:
 
     def load_latest(self) -> dict[str, Any]:
         self.worker._rltune_written = True  # from here on the engine may no longer hold its boot weights
-        if self.cast.names:
-            latest = self.tp.decide(lambda: self._latest(self.store), "loading: finding the latest step",
-                                    sends="the step to load")
-            self._stage_cast(latest)
-        report = self.receiver.load_latest()
-        self._write_cast(report.step)
-        return _report(report, self.receiver)
-
-    def _stage_cast(self, step: int) -> None:
-        """Before anything is written: what ``step`` needs of the cast tensors (every worker, failing together)."""
-        self.tp.phase(lambda: self.cast.stage(step), f"reading the cast tensors of step {step}")
-
-    def _write_cast(self, step: int | None) -> None:
-        if not self.cast.names or step is None:
-            return
-        try:
-            if self.cast.staged_step != step:  # the step moved on between the staging and the receiver's plan
-                self._stage_cast(step)
-            self.cast.write()
-        except Exception:
-            self.receiver.valid = False  # the next update reloads everything, cast tensors included
-            self.cast.forget()
-            raise
+        return _report(self.receiver.load_latest(), self.receiver)
 
     def prepare(self, step: int) -> dict[str, Any]:
         self._join_prefetch()
@@ -510,14 +486,9 @@ class WorkerSync:
     def update(self, step: int, wait_s: float = 0.0) -> dict[str, Any]:
         prefetch = self._join_prefetch()
         self.worker._rltune_written = True
-        if self.cast.names:
-            if wait_s > 0:
-                self.store.wait_complete(step, wait_s)
-            self._stage_cast(step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         report = self.receiver.apply(step, wait_s=wait_s)
-        self._write_cast(report.step)
         if self.verify == "full":
             self._verify_full(step)
         if self.device.type == "cuda":
