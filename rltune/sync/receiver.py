@@ -699,7 +699,7 @@ class DeltaReceiver:
 
     # ------------------------------------------------------------------------- the first-update layout check
 
-    def check_layout(self, boot: Callable[[str], torch.Tensor]) -> LayoutReport:
+    def check_layout(self, boot: Callable[[str], torch.Tensor], source: str = "the boot checkpoint") -> LayoutReport:
         """Before anything is written, while the engine still holds the weights it booted with: compare every
         write the index map records with the boot checkpoint, byte for byte, and follow any block the
         engine holds elsewhere in the same parameter.
@@ -712,10 +712,11 @@ class DeltaReceiver:
         positions hold other values than the checkpoint is searched for in its parameter: found in
         exactly one place, the run moves there (:attr:`LayoutReport.moves`); found nowhere, in several
         places, or shorter than :data:`MIN_RELOCATED_RUN`, :class:`~rltune.sync.format.LayoutMovedError`
-        names it, and nothing is written. Every worker of the TP group fails together.
+        names it, and nothing is written. Every worker of the TP group fails together. ``source`` names
+        where ``boot`` reads from (a checkpoint directory) in error messages.
         """
-        report = self._group_phase(lambda: self._find_layout(boot), "checking the engine's layout against its boot "
-                                                                     "checkpoint")
+        report = self._group_phase(lambda: self._find_layout(boot, source),
+                                   "checking the engine's layout against its boot checkpoint")
         self.relocate(report.moves)
         return report
 
@@ -734,7 +735,7 @@ class DeltaReceiver:
         self._derived_of.clear()
         self._prefetched = {}
 
-    def _find_layout(self, boot: Callable[[str], torch.Tensor]) -> LayoutReport:
+    def _find_layout(self, boot: Callable[[str], torch.Tensor], source: str) -> LayoutReport:
         report = LayoutReport()
         unplaced: list[tuple[str, int, int, int, int]] = []  # (tensor, param id, param start, length, places found)
         for name, runs in self.imap.tensors.items():
@@ -742,8 +743,8 @@ class DeltaReceiver:
                 continue
             src = as_bits(boot(name).detach().contiguous()).reshape(-1)
             if src.numel() != runs.numel:
-                raise fmt.IndexMapError(f"{name}: the boot checkpoint holds {src.numel()} elements, the index map "
-                                        f"{runs.numel}; the engine booted from another model than it serves")
+                raise fmt.IndexMapError(f"{source}: {name}: the boot checkpoint holds {src.numel()} elements, the index "
+                                        f"map {runs.numel}; the engine booted from another model than it serves")
             report.runs_checked += len(runs.length)
             bad = self._mismatched_runs(runs, src)
             if not len(bad):
@@ -767,12 +768,13 @@ class DeltaReceiver:
                      "nowhere else in it" if ln >= MIN_RELOCATED_RUN else
                      f"nowhere it can be placed (runs under {MIN_RELOCATED_RUN} elements are not searched)")
             raise fmt.LayoutMovedError(
-                f"{name}: {len(unplaced)} recorded write(s) hold other values than the engine's boot checkpoint, first "
+                f"{source}: {name}: {len(unplaced)} recorded write(s) hold other values than the engine's boot checkpoint, "
+                "first "
                 f"{ln} element(s) at {self.imap.param_names[pid]}[{ps}], found {where}: the engine moved weights after "
                 "loading in a way the index map does not follow (or holds other weights than it booted with). Nothing "
                 "was written; record the map through the engine's post-load processing, or attach before loading "
                 "other weights")
-        self._check_no_overlap(report.moves)
+        self._check_no_overlap(report.moves, source)
         return report
 
     def _mismatched_runs(self, runs: TensorRuns, src: torch.Tensor) -> np.ndarray:
@@ -804,7 +806,7 @@ class DeltaReceiver:
                     bad.append(batch[np.unique(np.repeat(np.arange(len(batch)), lengths)[differs])])
         return np.sort(np.concatenate(bad)) if bad else np.zeros(0, dtype=np.int64)
 
-    def _check_no_overlap(self, moves: dict[str, np.ndarray]) -> None:
+    def _check_no_overlap(self, moves: dict[str, np.ndarray], source: str) -> None:
         """After relocation every parameter element is still written by at most one run."""
         if not moves:
             return
@@ -818,7 +820,7 @@ class DeltaReceiver:
             for (a, la, na), (b, _, nb) in zip(items, items[1:], strict=False):
                 if b < a + la:
                     raise fmt.LayoutMovedError(
-                        f"{self.imap.param_names[pid]}: after following the blocks the engine moved, writes of {na} "
+                        f"{source}: {self.imap.param_names[pid]}: after following the blocks the engine moved, writes of {na} "
                         f"and {nb} land on the same elements (at {b}); the engine's layout is not a move of whole "
                         "blocks: record the map through the engine's post-load processing")
 

@@ -9,7 +9,7 @@ Two post-load transforms that move blocks within a parameter after vLLM's loader
   nothing written, rather than patch elements the kernels do not read.
 - A model whose gate/up kernel swaps the halves of ``gate_up_proj`` after loading and computes
   with them swapped (what FlashInfer's CUTLASS MoE backend does to fused experts on GPUs; here a
-  quant method of a registered Qwen3 variant, :class:`SwappedGateUpQwen3ForCausalLM`). The map,
+  quant method of a registered Qwen3 variant, ``vllm_helpers.register_transformed_qwen3``). The map,
   recorded through ``load_weights`` on an unprocessed copy, knows nothing of it; the check finds
   each half where the engine moved it, and every delta then lands where the kernel reads.
 
@@ -18,16 +18,16 @@ On 2 cores: ~40 s.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from vllm_helpers import (
     MoeTrainer,
     Trainer,
+    as_architecture,
     assert_same_weights,
     greedy,
     reference_weights,
+    register_transformed_qwen3,
     requires_vllm,
     start_engine,
 )
@@ -39,42 +39,6 @@ pytestmark = requires_vllm
 SWAPPED = "SwappedGateUpQwen3ForCausalLM"
 
 
-def _register_swapped_model() -> None:
-    from vllm import ModelRegistry
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
-
-    class SwappedGateUpMethod(UnquantizedLinearMethod):
-        """After loading: ``weight`` becomes [up; gate] in place; the GEMM's output halves are swapped back."""
-
-        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-            w = layer.weight.data
-            half = w.shape[0] // 2
-            w.copy_(torch.cat((w[half:], w[:half])))
-
-        def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-            out = torch.nn.functional.linear(x, layer.weight, bias)
-            half = out.shape[-1] // 2
-            return torch.cat((out[..., half:], out[..., :half]), dim=-1)
-
-    class SwappedGateUpQwen3ForCausalLM(Qwen3ForCausalLM):
-        def __init__(self, *, vllm_config, prefix: str = ""):
-            super().__init__(vllm_config=vllm_config, prefix=prefix)
-            for layer in self.model.layers:
-                layer.mlp.gate_up_proj.quant_method = SwappedGateUpMethod()
-
-    if SWAPPED not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(SWAPPED, SwappedGateUpQwen3ForCausalLM)
-
-
-def _as_architecture(checkpoint, arch: str):
-    config = checkpoint / "config.json"
-    data = json.loads(config.read_text())
-    data["architectures"] = [arch]
-    config.write_text(json.dumps(data))
-    return checkpoint
-
-
 def _receiver(llm, root):
     from rltune.sync.vllm import VllmReceiver
 
@@ -83,10 +47,9 @@ def _receiver(llm, root):
 
 def test_a_kernel_that_swaps_gate_and_up_after_loading_is_followed_and_every_step_serves_a_fresh_engines_tokens(
         tmp_path):
-    _register_swapped_model()
+    register_transformed_qwen3(SWAPPED, "swap")
     trainer = Trainer(tmp_path, interval=3, layers=2)
-    trainer.model.save_pretrained(tmp_path / "boot-swapped")
-    swapped_dir = _as_architecture(tmp_path / "boot-swapped", SWAPPED)
+    swapped_dir = as_architecture(trainer.save(), SWAPPED, tmp_path / "boot-swapped")
     llm = start_engine(swapped_dir)
     rx = _receiver(llm, trainer.root)
     (report,) = rx.attach()

@@ -197,13 +197,62 @@ def held_differences(worker, state: dict) -> list[str]:
     params = [sync.params[n] for n in sync.index_map.param_names]
     bad = []
     for name, runs in sync.index_map.tensors.items():
-        src = as_bits(state[name].contiguous()).reshape(-1)
         for cs, ln, pid, ps in zip(runs.ckpt_start.tolist(), runs.length.tolist(), runs.param.tolist(),
                                    runs.param_start.tolist(), strict=True):
-            if not torch.equal(as_bits(params[pid].data).reshape(-1)[ps:ps + ln].cpu(), src[cs:cs + ln]):
+            held = params[pid].data
+            src = as_bits(state[name].contiguous().to(held.dtype)).reshape(-1)  # a cast tensor: the engine's cast
+            if not torch.equal(as_bits(held).reshape(-1)[ps:ps + ln].cpu(), src[cs:cs + ln]):
                 bad.append(name)
                 break
     return bad
+
+
+def register_transformed_qwen3(arch: str, transform: str) -> None:
+    """Register (once) a Qwen3 variant whose gate/up GEMM transforms its weight after loading and computes
+    exactly what a plain Qwen3 computes. ``transform``: ``swap`` makes the weight [up; gate] and swaps the
+    output halves back (a block move, what FlashInfer's CUTLASS MoE backend does to fused experts);
+    ``scale`` doubles the weight and halves the output (exact in binary floating point: a transform of
+    values, which no delta of the checkpoint's bits can patch)."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+
+    if arch in ModelRegistry.get_supported_archs():
+        return
+
+    class TransformedGateUpMethod(UnquantizedLinearMethod):
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            w = layer.weight.data
+            half = w.shape[0] // 2
+            w.copy_(torch.cat((w[half:], w[:half])) if transform == "swap" else w * 2)
+
+        def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            out = torch.nn.functional.linear(x, layer.weight, bias)
+            if transform == "scale":
+                return out / 2
+            half = out.shape[-1] // 2
+            return torch.cat((out[..., half:], out[..., :half]), dim=-1)
+
+    class TransformedQwen3ForCausalLM(Qwen3ForCausalLM):
+        def __init__(self, *, vllm_config, prefix: str = ""):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            for layer in self.model.layers:
+                layer.mlp.gate_up_proj.quant_method = TransformedGateUpMethod()
+
+    ModelRegistry.register_model(arch, TransformedQwen3ForCausalLM)
+
+
+def as_architecture(checkpoint: Path, arch: str, into: Path) -> Path:
+    """A copy of a Hugging Face checkpoint directory whose config names another model class."""
+    import json
+    import shutil
+
+    shutil.copytree(checkpoint, into)
+    config = into / "config.json"
+    data = json.loads(config.read_text())
+    data["architectures"] = [arch]
+    config.write_text(json.dumps(data))
+    return into
 
 
 PROMPTS = [[11 + i, 7, 400 + 3 * i, 5, 8000 - i] for i in range(4)]

@@ -430,7 +430,7 @@ class WorkerSync:
                                 "the one its layout was checked with at its first attach; start a fresh engine for "
                                 "another model")
         loaded = self.index_map.loaded or self.index_map
-        report = self.receiver.check_layout(boot_values(fresh, loaded))
+        report = self.receiver.check_layout(boot_values(fresh, loaded), source=str(worker.vllm_config.model_config.model))
         summary = report.summary()
         worker._rltune_layout = (key, report.moves, summary)
         return dict(summary, reused=0)
