@@ -125,9 +125,9 @@ def test_vllms_own_reload_of_an_attached_cpu_moe_engine_breaks_it_and_rltune_ref
     copies the result into the tensors the layer held before, rltune's plain weights, which no longer have
     that shape; it stops there with the rest of the engine still on meta. rltune's next update refuses to
     patch that engine, and so does attaching again, naming the fix (a fresh engine)."""
-    from rltune.sync.vllm.worker import EngineWeightsMovedError
-
     from vllm.model_executor.layers import rotary_embedding
+
+    from rltune.sync.vllm.worker import EngineWeightsMovedError
 
     trainer = MoeTrainer(tmp_path, interval=3)
     llm = start_engine(trainer.save())
