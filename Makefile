@@ -66,7 +66,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/predict_speed.py --out runs/bench/predict_speed.json
 	$(BIN)/python bench/sync_codec.py --quick --out runs/bench/sync_codec.json
 	TRITON_INTERPRET=1 $(BIN)/python bench/sync_kernels.py --device cpu --tiny --out runs/bench/sync_kernels.json
-	$(BIN)/rltune sync-bench --preset cpu --out runs/bench/sync-bench
+	$(BIN)/rltune sync-bench --preset cpu --vllm --out runs/bench/sync-bench
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

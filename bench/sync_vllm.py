@@ -23,6 +23,8 @@ Usage (the CPU, in-process engines)::
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_HOST_IP=127.0.0.1 \\
         python bench/sync_vllm.py --steps 8 --out bench/results/sync_vllm-cpu.json
+    python bench/sync_vllm.py --experts 16 --hidden 512 --heads 8 --layers 8 --steps 8 \\
+        --out bench/results/sync_vllm-moe-cpu.json             # a Qwen3-MoE (vLLM's fused experts)
 """
 
 from __future__ import annotations
@@ -57,13 +59,18 @@ def stats(values: list[float]) -> dict[str, float] | None:
 
 
 def build_trainer(args, workdir: Path):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                      head_dim=args.hidden // args.heads, max_position_embeddings=1024, tie_word_embeddings=False)
+    shape = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                 num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                 head_dim=args.hidden // args.heads, max_position_embeddings=1024, tie_word_embeddings=False)
     torch.manual_seed(args.seed)
-    model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    if args.experts:  # Qwen3-MoE: every layer's MLP is routed experts (vLLM's CPU fused-MoE path repacks them)
+        cfg = Qwen3MoeConfig(**shape, num_experts=args.experts, num_experts_per_tok=args.top_k,
+                             moe_intermediate_size=args.expert_intermediate, norm_topk_prob=True)
+        model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**shape)).to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, foreach=False)
     return model, opt
 
@@ -76,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--experts", type=int, default=0, help="routed experts per layer (0: a dense Qwen3)")
+    parser.add_argument("--top-k", type=int, default=2, help="MoE: experts per token")
+    parser.add_argument("--expert-intermediate", type=int, default=512, help="MoE: each expert's width")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--lr", type=float, default=1e-6)
@@ -173,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     record = dict(
         kind="rltune-bench-sync-vllm", created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), git_sha=git_sha(),
         config=dict(vars(args), workdir=str(workdir), out=str(args.out)),
-        model=dict(params=n_params, dtype="bfloat16", architecture="Qwen3ForCausalLM (random init)"),
+        model=dict(params=n_params, dtype="bfloat16", architecture=f"{type(model).__name__} (random init)"),
         device=dict(type="cpu", cpu=platform.processor() or platform.machine(), count=os.cpu_count(),
                     python=platform.python_version(), torch=torch.__version__, vllm=vllm.__version__,
                     transformers=transformers.__version__),

@@ -14,6 +14,7 @@ Usage::
     python bench/sync_vllm_exactness.py --steps 20 --tp 1 --out bench/results/sync_vllm_exactness-tp1.json
     VLLM_CPU_OMP_THREADS_BIND="0|1" python bench/sync_vllm_exactness.py --steps 20 --tp 2 \\
         --out bench/results/sync_vllm_exactness-tp2.json
+    python bench/sync_vllm_exactness.py --experts 4 --steps 20 --tp 1 --out ...   # a Qwen3-MoE
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=int, default=7, help="anchor every N steps (followed as deltas)")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--experts", type=int, default=0, help="routed experts per layer (0: a dense Qwen3)")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--reference", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
@@ -95,11 +97,18 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="rltune-exactness-"))
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
-    cfg = Qwen3Config(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-                      tie_word_embeddings=False)
+    shape = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    if args.experts:  # Qwen3-MoE: transformers fuses the experts, vLLM stacks and repacks them
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        cfg = Qwen3MoeConfig(**shape, num_experts=args.experts, num_experts_per_tok=2, moe_intermediate_size=64,
+                             norm_topk_prob=True)
+        model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+    else:
+        cfg = Qwen3Config(**shape)
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, foreach=False)
     pub = DeltaPublisher(model, opt, workdir / "broadcast", args.interval, run_id="exactness")
     pub.publish(0)
@@ -141,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(workdir / f"checkpoint-{step - 1}", ignore_errors=True)
     record = dict(kind="rltune-bench-sync-vllm-exactness", created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                   git_sha=git_sha(), config=dict(steps=args.steps, tp=args.tp, interval=args.interval, lr=args.lr,
-                                                 tokens=args.tokens, prompts=len(PROMPTS)),
-                  model=dict(params=sum(p.numel() for p in model.parameters()), vocab=cfg.vocab_size,
+                                                 tokens=args.tokens, prompts=len(PROMPTS), experts=args.experts),
+                  model=dict(architecture=type(model).__name__, params=sum(p.numel() for p in model.parameters()),
+                             vocab=cfg.vocab_size,
                              padded_vocab=-(-cfg.vocab_size // 64) * 64),
                   versions=dict(torch=torch.__version__, vllm=vllm.__version__, transformers=transformers.__version__),
                   all_greedy_equal=all(r["greedy_equal"] for r in rows),

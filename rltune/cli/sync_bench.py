@@ -47,6 +47,8 @@ def register(app: typer.Typer) -> None:
         warmup_steps: int | None = typer.Option(None, min=0, help="warm-up steps left out of the summary"),
         transports: str | None = typer.Option(None, help="comma list of filesystem,inprocess,sparse,nccl"),
         device: str | None = typer.Option(None, help="auto, cpu or cuda (overrides the preset; cuda needs a GPU torch sees)"),
+        vllm: bool | None = typer.Option(None, "--vllm/--no-vllm",
+                                         help="also take the sparse transport's files into a real vLLM engine (row sparse/vllm)"),
         json_out: bool = typer.Option(False, "--json", help="print the JSON record on stdout"),
         quiet: bool = typer.Option(False, help="no per-step progress lines"),
         readers: str | None = typer.Option(
@@ -65,7 +67,7 @@ def register(app: typer.Typer) -> None:
         if estimate is not None:
             mode = "with --estimate (it runs nothing and writes nothing)"
             for flag, value in (("--out", out), ("--steps", steps), ("--warmup-steps", warmup_steps),
-                                ("--transports", transports), ("--device", device), ("--readers", readers),
+                                ("--transports", transports), ("--device", device), ("--vllm", vllm), ("--readers", readers),
                                 ("--storage", storage)):
                 refuse_unused(flag, value is not None, mode)
             _estimate(estimate, json_out)
@@ -77,6 +79,7 @@ def register(app: typer.Typer) -> None:
             mode = "in many-readers mode (--readers/--storage: readers run on the CPU, one transport)"
             refuse_unused("--transports", transports is not None, mode)
             refuse_unused("--device", device is not None, mode)
+            refuse_unused("--vllm", vllm is not None, mode)
             _readers(preset, out, readers, storage, steps, warmup_steps, json_out, quiet)
             return
         chosen = parse_list("--transports", transports, example="filesystem,sparse") if transports is not None else None
@@ -96,7 +99,7 @@ def register(app: typer.Typer) -> None:
 
         console = Console(stderr=True, width=max(Console(stderr=True).width, 110))
         cfg = load_sync_bench_config(resolve_preset(preset))
-        cfg = with_overrides(cfg, steps=steps, warmup_steps=warmup_steps, transports=chosen, device=device)
+        cfg = with_overrides(cfg, steps=steps, warmup_steps=warmup_steps, transports=chosen, device=device, vllm=vllm)
         progress = None if quiet else (lambda msg: console.print(f"[dim]{msg}[/dim]", highlight=False))
         result = run_sync_bench(cfg, out, progress=progress)
         record = result.record

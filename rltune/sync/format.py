@@ -188,6 +188,12 @@ class IndexMapError(SyncFormatError):
     """The engine's checkpoint->parameter index map cannot be used (uneven cover, dtype, overlap)."""
 
 
+class LayoutMovedError(IndexMapError):
+    """At the first update the engine does not hold its boot checkpoint where the index map says, and a
+    moved block is found nowhere else in its parameter (or in more than one place): the engine moved
+    weights after loading in a way the map cannot follow."""
+
+
 def step_dir_name(step: int) -> str:
     return f"step-{step:0{STEP_DIR_DIGITS}d}"
 

@@ -75,6 +75,21 @@ class IndexMap:
     # checkpoint name -> (shape, dtype) the map was recorded for: a manifest that differs in any name,
     # shape or dtype needs a new map (empty for a map built by hand: then only element counts are checked)
     spec: dict[str, tuple[list[int], str]] = field(default_factory=dict)
+    # recorded with ``post_load``: the map as the engine's loader left it, before post_load moved the
+    # elements (where a loaded, unprocessed copy of the engine holds each checkpoint element); None otherwise
+    loaded: IndexMap | None = None
+
+    def fingerprint(self) -> str:
+        """A digest of every run: two maps with the same fingerprint send every element to the same place."""
+        import hashlib
+
+        h = hashlib.sha256(repr(self.param_names).encode())
+        for name in sorted(self.tensors):
+            runs = self.tensors[name]
+            h.update(name.encode())
+            for a in (runs.ckpt_start, runs.length, runs.param, runs.param_start):
+                h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+        return h.hexdigest()
 
     @classmethod
     def record(cls, build_engine: Callable[[torch.dtype], torch.nn.Module],
@@ -122,8 +137,19 @@ class IndexMap:
             raise IndexMapError(f"{source}: the engine's load_weights refused the checkpoint's tensors "
                                 f"({type(exc).__name__}: {exc}); the broadcast is of another model than the engine "
                                 "serves: point the engine at the trainer's broadcast root") from None
+        loaded = None
         if post_load is not None:
+            loaded = cls._read(params, names, numels, starts, spec, placeholder_dtype, source)
             post_load(engine)
+        imap = cls._read(params, names, numels, starts, spec, placeholder_dtype, source)
+        imap.loaded = loaded
+        return imap
+
+    @classmethod
+    def _read(cls, params: dict[str, torch.Tensor], names: list[str], numels: list[int], starts: np.ndarray,
+              spec: dict[str, tuple[list[int], str]], placeholder_dtype: torch.dtype, source: str) -> IndexMap:
+        """The map the codes in ``params`` spell."""
+        total = int(starts[-1])
         param_names = list(params)
         runs: list[np.ndarray] = []  # rows of (tensor id, checkpoint start, length, parameter id, parameter start)
         engine_only: dict[str, int] = {}

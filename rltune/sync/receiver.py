@@ -49,6 +49,7 @@ import torch
 from rltune.errors import RltuneError
 from rltune.sync import codec
 from rltune.sync import format as fmt
+from rltune.sync.casting import CastLoads
 from rltune.sync.group import TorchCollectives, TpGroup, as_typed
 from rltune.sync.indexmap import IndexMap, TensorRuns
 from rltune.sync.kernels import checksum_pairs
@@ -67,6 +68,27 @@ from rltune.sync.store import BroadcastStore
 ApplyFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], int]
 # an anchor's little-endian wire bits, by width, as numpy reads them
 _BITS_NP = {bits: np.dtype(name).newbyteorder("<") for bits, name in fmt.BITS_INTEGERS.items()}
+
+
+# a moved block shorter than this could sit in many places by chance: it is never relocated, only refused
+MIN_RELOCATED_RUN = 16
+_SLICE_COMPARE_RUN = 4096  # runs at least this long are compared as slices; shorter ones in vectorized batches
+_BATCH_ELEMENTS = 1 << 22
+
+
+@dataclass
+class LayoutReport:
+    """What :meth:`DeltaReceiver.check_layout` found: runs compared with the boot checkpoint and moved."""
+
+    runs_checked: int = 0
+    runs_moved: int = 0
+    elements_moved: int = 0
+    # checkpoint tensor -> the relocated parameter start of each of its runs (:meth:`DeltaReceiver.relocate`)
+    moves: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, int]:
+        return dict(runs_checked=self.runs_checked, runs_moved=self.runs_moved, elements_moved=self.elements_moved,
+                    tensors_moved=len(self.moves))
 
 
 @dataclass
@@ -89,7 +111,9 @@ class DeltaReceiver:
 
     def __init__(self, root: str | Path, model: torch.nn.Module, index_map: IndexMap, *, group: Any = None,
                  apply_fn: ApplyFn = apply_mapped_delta_ref, fused: bool | None = None, fused_backend: str = "auto",
-                 max_fallbacks: int = 2):
+                 max_fallbacks: int = 2, manifest: dict[str, Any] | None = None):
+        """``manifest``: any manifest of the run (its tensors' dtypes), to set the cast tensors apart now
+        (before :meth:`check_layout`); without it they are set apart at the first update."""
         self.store = BroadcastStore(root)
         params = dict(model.named_parameters())
         missing = [n for n in index_map.param_names if n not in params]
@@ -98,6 +122,11 @@ class DeltaReceiver:
                                     "record the map from this engine")
         self.params = [params[n] for n in index_map.param_names]
         self.imap, self.group, self.apply_fn = index_map, group, apply_fn
+        # tensors the engine holds in another dtype than the checkpoint's: loaded by value, never patched
+        self.full_map = index_map
+        self.cast: CastLoads | None = None
+        if manifest is not None:
+            self._split_cast(manifest)
         # the TP group's protocol (rltune.sync.group): a process group, or Collectives of the engine's own
         collectives = group if group is None or hasattr(group, "all_gather_ints") else TorchCollectives(group)
         self.tp = TpGroup(collectives, on_lost=self._lost)
@@ -170,6 +199,10 @@ class DeltaReceiver:
             slot[1][what] = make()
         return slot[1][what]
 
+    def _split_cast(self, manifest: dict[str, Any]) -> None:
+        named = dict(zip(self.full_map.param_names, self.params, strict=True))
+        self.imap, self.cast = CastLoads.split(self.store, self.full_map, named, manifest)
+
     def _check_static(self, manifest: dict[str, Any], where: str) -> None:
         """Whenever a manifest's names, dtypes or shapes differ from the last checked: they match the index
         map, the parameters' dtypes, and the group covers each tensor evenly (multiplicity).
@@ -179,6 +212,8 @@ class DeltaReceiver:
         key = self._spec_key(manifest)
         if self._multiplicity is not None and key == self._static_key:
             return
+        if self.cast is None:
+            self._split_cast(manifest)
         names = sorted(manifest["tensors"])
         counts, possums, problem = [], [], None
         try:
@@ -487,6 +522,10 @@ class DeltaReceiver:
             where = str(self.store.step_dir(s) / fmt.MANIFEST_NAME)
             timed("check", lambda m=m, where=where: self._group_phase(lambda: self._check_static(m, where),
                                                                      "checking the manifest against the index map"))
+        cast = self.cast if self.cast is not None and self.cast.names else None
+        if cast is not None:  # read (every worker) before anything is written; a delta that changed one raises here
+            timed("check", lambda: self._group_phase(lambda: cast.stage(plan["target"]),
+                                                     f"reading the cast tensors of step {plan['target']}"))
         candidates = plan["candidates"]
         first_error: RltuneError | None = None
         for i, (anchor, deltas) in enumerate(candidates):
@@ -502,6 +541,13 @@ class DeltaReceiver:
                 continue
             report.anchor, report.deltas = anchor, list(deltas)
             break
+        if cast is not None:
+            try:
+                timed("write", lambda: self._group_phase(cast.write, "writing the cast tensors"))
+            except Exception:
+                self.valid = False  # the next update reloads everything, cast tensors included
+                cast.forget()
+                raise
         m = mans[plan["target"]]
         self.valid, self.step, self.run_id, self.attempt = True, plan["target"], m["run_id"], m["attempt"]
         report.seconds = time.perf_counter() - t0
@@ -651,6 +697,133 @@ class DeltaReceiver:
             shares[name], shares2[name] = shares[name] + c1, checksum2_add(shares2[name], c2)
         return {n: v & MASK64 for n, v in shares.items()}, shares2
 
+    # ------------------------------------------------------------------------- the first-update layout check
+
+    def check_layout(self, boot: Callable[[str], torch.Tensor], source: str = "the boot checkpoint") -> LayoutReport:
+        """Before anything is written, while the engine still holds the weights it booted with: compare every
+        write the index map records with the boot checkpoint, byte for byte, and follow any block the
+        engine holds elsewhere in the same parameter.
+
+        ``boot(name)``: checkpoint tensor ``name`` as the engine booted from it (its elements in the
+        checkpoint's order; only the ones this worker holds are read). Verification alone cannot see a
+        layout the engine moved after loading (a kernel backend that swaps the gate and up halves of
+        fused weights): the receiver writes, and checksums, the positions its map names, so a patched
+        engine would pass every check while its kernels read other elements. Here a run whose
+        positions hold other values than the checkpoint is searched for in its parameter: found in
+        exactly one place, the run moves there (:attr:`LayoutReport.moves`); found nowhere, in several
+        places, or shorter than :data:`MIN_RELOCATED_RUN`, :class:`~rltune.sync.format.LayoutMovedError`
+        names it, and nothing is written. Every worker of the TP group fails together. ``source`` names
+        where ``boot`` reads from (a checkpoint directory) in error messages.
+        """
+        report = self._group_phase(lambda: self._find_layout(boot, source),
+                                   "checking the engine's layout against its boot checkpoint")
+        self.relocate(report.moves)
+        return report
+
+    def relocate(self, moves: dict[str, np.ndarray]) -> None:
+        """Move runs of the index map to the parameter starts ``moves`` gives (a :meth:`check_layout` result,
+        kept by an integration that attaches again to the same engine); the plans built on the map are rebuilt."""
+        if not moves:
+            return
+        for name, starts in moves.items():
+            runs = self.imap.tensors[name]
+            if len(starts) != len(runs.param_start):
+                raise fmt.IndexMapError(f"{name}: {len(starts)} relocated runs for a map of {len(runs.param_start)}; "
+                                        "the moves were found for another index map: check the layout again")
+            runs.param_start = np.asarray(starts, dtype=np.int64).copy()
+        self._multiplicity, self._static_key, self._apply_plan = None, None, None
+        self._derived_of.clear()
+        self._prefetched = {}
+
+    def _find_layout(self, boot: Callable[[str], torch.Tensor], source: str) -> LayoutReport:
+        report = LayoutReport()
+        unplaced: list[tuple[str, int, int, int, int]] = []  # (tensor, param id, param start, length, places found)
+        for name, runs in self.imap.tensors.items():
+            if not runs.held:
+                continue
+            src = as_bits(boot(name).detach().contiguous()).reshape(-1)
+            if src.numel() != runs.numel:
+                raise fmt.IndexMapError(f"{source}: {name}: the boot checkpoint holds {src.numel()} elements, the index "
+                                        f"map {runs.numel}; the engine booted from another model than it serves")
+            report.runs_checked += len(runs.length)
+            bad = self._mismatched_runs(runs, src)
+            if not len(bad):
+                continue
+            starts = runs.param_start.copy()
+            for r in bad.tolist():
+                cs, ln, pid, ps = (int(runs.ckpt_start[r]), int(runs.length[r]), int(runs.param[r]),
+                                   int(runs.param_start[r]))
+                hay = as_bits(self.params[pid].data).reshape(-1)
+                found = _find_block(hay, src[cs:cs + ln].to(hay.device)) if ln >= MIN_RELOCATED_RUN else []
+                if len(found) == 1:
+                    starts[r] = found[0]
+                    report.runs_moved += 1
+                    report.elements_moved += ln
+                else:
+                    unplaced.append((name, pid, ps, ln, len(found)))
+            report.moves[name] = starts
+        if unplaced:
+            name, pid, ps, ln, places = unplaced[0]
+            where = ("in several places" if places > 1 else
+                     "nowhere else in it" if ln >= MIN_RELOCATED_RUN else
+                     f"nowhere it can be placed (runs under {MIN_RELOCATED_RUN} elements are not searched)")
+            raise fmt.LayoutMovedError(
+                f"{source}: {name}: {len(unplaced)} recorded write(s) hold other values than the engine's boot checkpoint, "
+                "first "
+                f"{ln} element(s) at {self.imap.param_names[pid]}[{ps}], found {where}: the engine moved weights after "
+                "loading in a way the index map does not follow (or holds other weights than it booted with). Nothing "
+                "was written; record the map through the engine's post-load processing, or attach before loading "
+                "other weights")
+        self._check_no_overlap(report.moves, source)
+        return report
+
+    def _mismatched_runs(self, runs: TensorRuns, src: torch.Tensor) -> np.ndarray:
+        """Indices of the runs whose parameter elements differ from ``src`` (the checkpoint's bits)."""
+        bad: list[np.ndarray] = []
+        long = np.flatnonzero(runs.length >= _SLICE_COMPARE_RUN)
+        for r in long.tolist():
+            cs, ln, pid, ps = (int(runs.ckpt_start[r]), int(runs.length[r]), int(runs.param[r]),
+                               int(runs.param_start[r]))
+            held = as_bits(self.params[pid].data).reshape(-1)[ps:ps + ln]
+            if not torch.equal(held, src[cs:cs + ln].to(held.device)):
+                bad.append(np.array([r]))
+        short = np.flatnonzero(runs.length < _SLICE_COMPARE_RUN)
+        for pid in np.unique(runs.param[short]).tolist():
+            mine = short[runs.param[short] == pid]
+            held = as_bits(self.params[pid].data).reshape(-1)
+            total = np.cumsum(runs.length[mine])
+            cuts = np.searchsorted(total, np.arange(_BATCH_ELEMENTS, int(total[-1]), _BATCH_ELEMENTS), side="right")
+            for batch in np.split(mine, cuts):
+                if not len(batch):
+                    continue
+                lengths = runs.length[batch]
+                first = np.repeat(np.cumsum(lengths) - lengths, lengths)
+                within = np.arange(int(lengths.sum()), dtype=np.int64) - first
+                ppos = torch.from_numpy(np.repeat(runs.param_start[batch], lengths) + within).to(held.device)
+                cpos = torch.from_numpy(np.repeat(runs.ckpt_start[batch], lengths) + within)
+                differs = (held[ppos].cpu() != src[cpos].cpu()).numpy()
+                if differs.any():
+                    bad.append(batch[np.unique(np.repeat(np.arange(len(batch)), lengths)[differs])])
+        return np.sort(np.concatenate(bad)) if bad else np.zeros(0, dtype=np.int64)
+
+    def _check_no_overlap(self, moves: dict[str, np.ndarray], source: str) -> None:
+        """After relocation every parameter element is still written by at most one run."""
+        if not moves:
+            return
+        spans: dict[int, list[tuple[int, int, str]]] = {}
+        for name, runs in self.imap.tensors.items():
+            starts = moves.get(name, runs.param_start)
+            for pid, ps, ln in zip(runs.param.tolist(), starts.tolist(), runs.length.tolist(), strict=True):
+                spans.setdefault(pid, []).append((ps, ln, name))
+        for pid, items in spans.items():
+            items.sort()
+            for (a, la, na), (b, _, nb) in zip(items, items[1:], strict=False):
+                if b < a + la:
+                    raise fmt.LayoutMovedError(
+                        f"{source}: {self.imap.param_names[pid]}: after following the blocks the engine moved, writes of {na} "
+                        f"and {nb} land on the same elements (at {b}); the engine's layout is not a move of whole "
+                        "blocks: record the map through the engine's post-load processing")
+
     def before_write(self) -> None:
         """Runs on every worker, as one group phase, before an update writes anything.
 
@@ -695,3 +868,19 @@ class DeltaReceiver:
                 f"trainer's tensors.<name>.{bad[0][1]} after the update, first {bad[0][0]}"
                 + (" (the position-weighted checksum matched: an edit whose weighted changes cancel)" if only2 else "")
                 + "; the next update reloads an anchor and replays")
+
+
+def _find_block(hay: torch.Tensor, needle: torch.Tensor, most: int = 8) -> list[int]:
+    """Every start at which ``needle`` (1-D bits) occurs in ``hay`` (1-D bits of the same width), or, when more
+    than ``most`` candidates survive a few probes, ``most + 1`` of them (ambiguous: the caller only needs to
+    know that there is not exactly one)."""
+    n, k = int(hay.numel()), int(needle.numel())
+    if not k or k > n:
+        return []
+    cand = torch.nonzero(hay[: n - k + 1] == needle[0]).reshape(-1)
+    for probe in sorted({k - 1, k // 2, k // 3, (2 * k) // 3, 1} - {0}):
+        if len(cand) <= most:
+            break
+        cand = cand[hay[cand + probe] == needle[probe]]
+    found = [int(c) for c in cand[: 4 * most].tolist() if torch.equal(hay[c: c + k], needle)]
+    return found[: most + 1]

@@ -25,8 +25,12 @@ from rltune.contracts.schema import (
     read_yaml,
 )
 from rltune.errors import MalformedFileError, UnknownKeyError, WrongTypeError
+from rltune.sync.transports.registry import DEFAULT_TRANSPORT, describe, transport_info, transports_for
 
 WORKLOAD_SCHEMA_VERSION = 1
+# the transports whose engines need no process group with the trainer (the workload forms none)
+WORKLOAD_TRANSPORTS = transports_for("torch")
+WorkloadTransport = Literal[WORKLOAD_TRANSPORTS]
 
 
 @dataclass
@@ -108,7 +112,7 @@ class OrchestratorConfig:
 
 @dataclass
 class SyncConfig:
-    transport: Literal["filesystem", "inprocess", "sparse_delta"] = field("filesystem", doc="filesystem: safetensors checkpoint written and read; inprocess: shared-memory copy; sparse_delta: rltune.sync sender/receiver")
+    transport: WorkloadTransport = field(DEFAULT_TRANSPORT, doc=describe(WORKLOAD_TRANSPORTS))
     keep_checkpoints: int = field(1, doc="filesystem: checkpoints kept on disk after the engines loaded them", min=0)
     anchor_interval: int = field(10, doc="sparse_delta: a full anchor every this many weight versions, deltas between", min=1)
     delta_coding: Literal["entropy", "plain"] = field("entropy", doc="sparse_delta: entropy (the near-entropy codec, ~1.2 B a bf16 change at 1-3 % changed, ~30 ns a change to code and to decode on a host core) or plain (fixed-width positions and values, ~6 B a change, no coder: the engines share the trainer's host and its page cache)")
@@ -150,8 +154,9 @@ class WorkloadConfig:
                                "leave world_size at 1 or set it to the same number")
         if self.trainer.world_size > 1 and self.trainer.launcher != "torchrun":
             raise FieldProblem("trainer.world_size", "world_size > 1 needs trainer.launcher: torchrun")
-        if self.sync.transport == "sparse_delta" and self.trainer.mini_batches != 1:
-            raise FieldProblem("trainer.mini_batches", "sparse_delta publishes one optimizer step per weight version; use mini_batches: 1")
+        if transport_info(self.sync.transport).one_optimizer_step_per_version and self.trainer.mini_batches != 1:
+            raise FieldProblem("trainer.mini_batches", f"{self.sync.transport} publishes one optimizer step per weight "
+                               "version; use mini_batches: 1")
         if self.trainer.mini_batches > self.orchestrator.tasks_per_batch:
             raise FieldProblem("trainer.mini_batches", f"must not exceed orchestrator.tasks_per_batch ({self.orchestrator.tasks_per_batch}); each mini-batch holds whole groups")
         if self.engine.kv_cache_tokens < self.env.context_limit_tokens + 1:
@@ -184,9 +189,9 @@ class WorkloadConfig:
                 if used:
                     raise FieldProblem(f"engine.{key}", "only vLLM engines take it; set engine.backend: vllm")
             return
-        if self.sync.transport not in ("filesystem", "sparse_delta"):
-            raise FieldProblem("sync.transport", "vLLM engines take filesystem (a full reload through vLLM's "
-                               "reload_weights) or sparse_delta (rltune.sync.vllm)")
+        if "vllm" not in transport_info(self.sync.transport).families:
+            raise FieldProblem("sync.transport", f"{self.sync.transport} has no loader for vLLM engines; they take "
+                               + " or ".join(t for t in WORKLOAD_TRANSPORTS if t in transports_for("vllm")))
         if engine.compile or engine.batching != "continuous":
             raise FieldProblem("engine.compile" if engine.compile else "engine.batching",
                                "HF engine only; vLLM schedules continuously and compiles as engine.vllm says "

@@ -18,6 +18,9 @@ produced any of its tokens.
 
 Messages in (one ``mp.Queue`` per engine): ``("generate", req_id, prompt_ids, max_new_tokens,
 temperature, submit_monotonic)``, ``("cancel", req_id)``, ``("load", version, message)``, ``("stats",)``, ``("stop",)``.
+A load goes through the weight-sync transport's loader (:class:`WeightLoads`): its reads start
+when the message arrives and the engine keeps decoding; it pauses for the in-place update once
+they are done.
 Messages out (shared queue): ``("ready", engine, info)``, ``("result", engine, req_id, record)``,
 ``("loaded", engine, version, info)``, ``("stats", engine, counters)``, ``("error", engine, text)``.
 """
@@ -110,6 +113,7 @@ class Engine:
         self.eos = TOKENIZER.eos_id
         self.pad = TOKENIZER.pad_id
         self.generator = torch.Generator(device=self.device).manual_seed(settings.sample_seed + 7919 * index)
+        self.loads = WeightLoads(settings.loader, self.model, index, out_queue)
         self.version = 0
         self.warm_up_s = 0.0
         self.parent_pid = os.getppid()  # the orchestrator; if it dies, this engine stops instead of serving on
@@ -172,12 +176,14 @@ class Engine:
             self.warm_up_s = time.perf_counter() - start
         elif self.s.compile:
             self.warm_up()
+        # before serving: the loader records what it needs of the engine (index map, latest step)
+        attach = self.s.loader.attach(self.model) if self.s.loader is not None else {}
         self.out.put(("ready", self.index, {"params": sum(p.numel() for p in self.model.parameters()),
-                                            "warm_up_s": self.warm_up_s}))
+                                            "warm_up_s": self.warm_up_s, **attach}))
         while True:
             if os.getppid() != self.parent_pid:
                 return  # the orchestrator was killed: an orphaned engine would generate on for nobody
-            for msg in drain(in_queue, wait=not self.running and not self.waiting):
+            for msg in drain(in_queue, wait=not self.running and not self.waiting and self.loads.pending is None):
                 if msg[0] == "stop":
                     # Release tensors shared by the trainer (CUDA IPC) before the process ends.
                     if self.s.loader is not None:
@@ -185,6 +191,8 @@ class Engine:
                     self.s.loader = None
                     return
                 self.handle(msg)
+            if self.loads.due(serving=bool(self.running or self.waiting)):
+                self.loads.finish(self._loaded)
             self.step()
 
     def step(self) -> bool:
@@ -209,20 +217,17 @@ class Engine:
             self.waiting = deque(s for s in self.waiting if s.req_id != msg[1])
         elif kind == "load":
             _, version, message = msg
-            start = time.perf_counter()
-            result = self.s.loader.load(self.model, message)
-            info = {"bytes": float(result.bytes)}
-            if result.changes is not None:
-                info.update(changes_applied=float(result.changes), reloaded=float(result.action == "reload"))
-            if self.device.type == "cuda":
-                self.torch.cuda.synchronize()
-            self.version = version
-            self.out.put(("loaded", self.index, version, {"load_s": time.perf_counter() - start, **info}))
+            self.loads.begin(version, message)
         elif kind == "stats":
             self.out.put(("stats", self.index, dict(self.counters, running=len(self.running), waiting=len(self.waiting))))
             self._reset_counters()
         else:
             raise ValueError(f"engine got an unknown message {kind!r}")
+
+    def _loaded(self, version: int) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize()
+        self.version = version
 
     # -- scheduling -----------------------------------------------------------------------------
     def _admit(self) -> bool:
@@ -417,16 +422,58 @@ class Engine:
         self._sample_and_advance(logits, rows=list(range(batch)))
 
 
-def drain(in_queue, wait: bool) -> list:
-    """Every message waiting in an engine's queue; an idle engine (``wait``) first waits up to 0.5 s for one."""
+def drain(in_queue, wait: bool, timeout: float = 0.5) -> list:
+    """Every message waiting in an engine's queue; an idle engine (``wait``) first waits up to ``timeout`` for one."""
     messages = []
     try:
-        messages.append(in_queue.get(timeout=0.5) if wait else in_queue.get_nowait())
+        messages.append(in_queue.get(timeout=timeout) if wait else in_queue.get_nowait())
         while True:
             messages.append(in_queue.get_nowait())
     except queue.Empty:
         pass
     return messages
+
+
+class WeightLoads:
+    """An engine's weight updates through its transport's loader, the same for both engine backends.
+
+    A ``("load", version, message)`` message starts the loader's prefetch at once (reading and
+    decoding run while the engine keeps serving); the engine pauses for :meth:`finish` only once
+    the loader is ready, or at once when it has nothing to serve. The ``loaded`` reply says how
+    long the update took from the message (``load_s``), how long dispatch was stopped for it
+    (``blocking_s``, the loader's ``load``) and what the loader did.
+    """
+
+    def __init__(self, loader, target, index: int, out):
+        self.loader, self.target, self.index, self.out = loader, target, index, out
+        self.pending: tuple[int, dict, float] | None = None
+
+    def begin(self, version: int, message: dict) -> None:
+        if self.pending is not None:  # the orchestrator waits for each load: a second one is a protocol error
+            raise RuntimeError(f"engine {self.index}: a load of version {version} arrived while "
+                               f"version {self.pending[0]} was still loading")
+        start = time.perf_counter()
+        self.loader.prefetch(self.target, message)
+        self.pending = (int(version), message, start)
+
+    def due(self, serving: bool) -> bool:
+        """A load is pending and may run now (its prefetch is done, or nothing else would run meanwhile)."""
+        return self.pending is not None and (not serving or self.loader.ready())
+
+    def finish(self, after) -> int:
+        """Load in the pause, run ``after(version)`` (the engine's own bookkeeping), reply ``loaded``."""
+        version, message, start = self.pending
+        self.pending = None
+        paused = time.perf_counter()
+        result = self.loader.load(self.target, message)
+        after(version)
+        done = time.perf_counter()
+        info = {"load_s": done - start, "blocking_s": done - paused, "bytes": float(result.bytes),
+                "prefetched": float(result.prefetched), **result.details}
+        if result.changes is not None:
+            info.update(changes_applied=float(result.changes), reloaded=float(result.action == "reload"))
+        self.out.put(("loaded", self.index, version, info))
+        return version
 
 
 def _output_cache(out):

@@ -17,17 +17,15 @@ Sampling returns each token's log-probability under the temperature-scaled distr
 (``logprobs_mode=processed_logprobs``), what the trainer computes: the trainer-rollout gap
 compares like with like. Generation stops at the tokenizer's ``<eos>`` (``stop_token_ids``).
 
-Weights (``sync.transport``), always between two of vLLM's scheduler steps (mid-flight in fully
-async, as in the HF engine):
-
-- ``filesystem``: a **full reload**: the trainer's safetensors checkpoint of the step goes into the
-  engine through vLLM's own ``reload_weights`` (load + repack), the baseline;
-- ``sparse_delta``: only the changed elements, through :mod:`rltune.sync.vllm` (its worker
-  extension patches in place and verifies checksums; :class:`~rltune.sync.vllm.VllmReceiver`).
-
-After every update the prefix cache is reset (its blocks hold keys and values of the old weights)
-and vLLM's weight version is set to rltune's; a request's version is the oldest of vLLM's weight
-version spans over its tokens.
+Weights go in through the ``vllm`` loader of the job's weight-sync transport
+(:mod:`rltune.sync.transports`), which reaches the engine's workers through an RPC handle (vLLM's
+own ``collective_rpc``: in-process offline, ``/collective_rpc`` served) and brackets its update
+with the handle's pause and resume, always between two of vLLM's scheduler steps (mid-flight in
+fully async, as in the HF engine). The engine process names no transport: it attaches the loader
+before serving, starts its prefetch when a load arrives and keeps serving until it is ready
+(:class:`rltune.workload.engine.WeightLoads`). Resuming resets the prefix cache (its blocks hold
+keys and values of the old weights) and sets vLLM's weight version to rltune's; a request's
+version is the oldest of vLLM's weight version spans over its tokens.
 
 Counters come from vLLM itself: its Prometheus families (offline: the engine process's registry,
 rendered as ``/metrics`` text; served: ``GET /metrics``), differenced per step with
@@ -58,7 +56,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rltune.errors import RltuneError, UnknownKeyError, WrongTypeError
-from rltune.workload.engine import drain
+from rltune.workload.engine import WeightLoads, drain
 
 if TYPE_CHECKING:
     from rltune.workload.config import WorkloadConfig
@@ -100,12 +98,10 @@ class VllmEngineSettings:
     engine_args: dict[str, Any]  # every EngineArgs field but ``model``
     serve: bool
     serve_flags: list[str]  # served: engine_args as vllm serve flags
-    transport: str  # filesystem | sparse_delta
-    sync_root: str | None  # sparse_delta: the broadcast root
     eos_id: int
     num_threads: int  # OMP threads bound per engine (0: vLLM's own binding)
+    loader: Any  # the weight-sync transport's vllm loader (rltune.sync.transports), driven through the engine's RPC
     cpu_lists: list[str] = field(default_factory=list)  # per engine: VLLM_CPU_OMP_THREADS_BIND
-    loader: Any = None  # unused by vLLM engines (they take the transport's files themselves); kept for close()
     backend: str = "vllm"
 
 
@@ -272,15 +268,15 @@ def cpu_lists(num_engines: int, threads: int) -> list[str]:
 
 
 def settings_for(cfg: WorkloadConfig, run_dir: Path, boot_dir: Path, loader) -> VllmEngineSettings:
+    """``loader``: the transport publisher's ``loader("vllm")``."""
     from rltune.workload.tokenizer import TOKENIZER
 
-    root = getattr(loader, "root", None)
     args = engine_arguments(cfg)
     return VllmEngineSettings(
         device="cpu", boot_dir=str(boot_dir), run_dir=str(run_dir), engine_args=args,
-        serve=cfg.engine.serve, serve_flags=cli_flags(args) if cfg.engine.serve else [], transport=cfg.sync.transport,
-        sync_root=str(root) if cfg.sync.transport == "sparse_delta" else None, eos_id=TOKENIZER.eos_id,
-        num_threads=cfg.engine.num_threads, cpu_lists=cpu_lists(cfg.engine.num_engines, cfg.engine.num_threads))
+        serve=cfg.engine.serve, serve_flags=cli_flags(args) if cfg.engine.serve else [], eos_id=TOKENIZER.eos_id,
+        num_threads=cfg.engine.num_threads, loader=loader,
+        cpu_lists=cpu_lists(cfg.engine.num_engines, cfg.engine.num_threads))
 
 
 def cli_flags(engine_args: dict[str, Any]) -> list[str]:
@@ -373,28 +369,8 @@ class VllmStepMetrics:
 # --------------------------------------------------------------------------------------------- weights
 
 
-def _step_dir(run_dir: str, engine: int, step: int) -> Path:
-    return Path(run_dir) / "engine-reload" / f"engine-{engine}" / f"step-{step:06d}"
-
-
-def reload_dir(run_dir: str, engine: int, message: dict[str, Any]) -> Path:
-    """A directory holding only the step's checkpoint (a hard link to the trainer's file): what
-    vLLM's reload_weights reads (every safetensors file of the directory)."""
-    src = Path(message["path"])
-    d = _step_dir(run_dir, engine, int(message["step"]))
-    d.mkdir(parents=True, exist_ok=True)
-    dst = d / "model.safetensors"
-    try:
-        os.link(src, dst)
-    except OSError:  # another file system: a copy reads the same bytes
-        import shutil
-
-        shutil.copyfile(src, dst)
-    return d
-
-
 class _Rpc:
-    """The receiver's view of an offline engine (``collective_rpc`` in-process); ``resume`` also resets
+    """The loader's view of an offline engine (``collective_rpc`` in-process); ``resume`` also resets
     the prefix cache and sets the weight version, inside the update."""
 
     def __init__(self, engine, after_update):
@@ -402,6 +378,9 @@ class _Rpc:
 
     def call(self, method: str, request: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
         return list(self.engine.collective_rpc(method, timeout=timeout_s, args=(json.dumps(request),)))
+
+    def collective_rpc(self, method: str, kwargs: dict[str, Any]) -> list[Any]:
+        return list(self.engine.collective_rpc(method, kwargs=kwargs))
 
     def pause(self) -> None:
         pass  # offline: updates run between two scheduler steps, when no forward pass runs
@@ -414,7 +393,7 @@ class _Rpc:
 
 
 class _Base:
-    """What both kinds share: the message loop, version stamps, results, stats."""
+    """What both kinds share: the message loop, weight loads, version stamps, results, stats."""
 
     def __init__(self, index: int, s: VllmEngineSettings, out):
         self.index, self.s, self.out = index, s, out
@@ -422,9 +401,14 @@ class _Base:
         self.parent_pid = os.getppid()
         self.cancelled: set[int] = set()
         self.kv_peak = 0.0
-        self.receiver = None
+        self.loads: WeightLoads | None = None  # set in start(), on the engine's RPC handle
 
-    # subclasses: submit, cancel, idle, pump, snapshot, update_full, make_receiver_rpc, close
+    # subclasses: start, submit, cancel, idle, serving, pump, snapshot, close
+    def attach(self, rpc) -> dict[str, Any]:
+        """Hand the transport's loader the engine's RPC handle, before the engine serves."""
+        self.loads = WeightLoads(self.s.loader, rpc, self.index, self.out)
+        return self.s.loader.attach(rpc)
+
     def serve(self, in_queue) -> None:
         info = self.start()
         self.out.put(("ready", self.index, info))
@@ -432,12 +416,16 @@ class _Base:
             if os.getppid() != self.parent_pid:
                 self.close()
                 return
-            for msg in drain(in_queue, wait=self.idle()):
+            pending = self.loads.pending is not None
+            # a load waiting for its prefetch: look again soon (served engines have no loop work to pace them)
+            for msg in drain(in_queue, wait=self.idle() or (pending and self.serving()), timeout=0.01 if pending else 0.5):
                 if msg[0] == "stop":
                     self.close()
                     return
                 self.handle(msg)
             self.pump()
+            if self.loads.due(serving=self.serving()):
+                self.loads.finish(self._set_version)
 
     def handle(self, msg: tuple) -> None:
         kind = msg[0]
@@ -449,9 +437,8 @@ class _Base:
             self.cancel(int(msg[1]))
         elif kind == "load":
             _, version, message = msg
-            start = time.perf_counter()
-            info = self.load(int(version), message)
-            self.out.put(("loaded", self.index, version, {"load_s": time.perf_counter() - start, **info}))
+            self.next_version = int(version)  # what resuming after the update stamps (reset_and_stamp)
+            self.loads.begin(int(version), message)
         elif kind == "stats":
             stats = self.stats()
             stats["kv_peak_frac"] = self.kv_peak
@@ -460,32 +447,8 @@ class _Base:
         else:
             raise ValueError(f"engine got an unknown message {kind!r}")
 
-    def load(self, version: int, message: dict[str, Any]) -> dict[str, float]:
-        self.next_version = version
-        if self.s.transport == "sparse_delta":
-            summary = self.receiver.update(int(message["step"]))
-            if summary.step != int(message["step"]):
-                raise RltuneError(f"vLLM engine {self.index} reached broadcast step {summary.step}, not {message['step']}")
-            phases = [w.get("phases", {}) for w in summary.workers]
-            return {"bytes": float(message.get("bytes", 0.0)), "changes_applied": float(summary.changes),
-                    "reloaded": float(summary.action == "reload"), "apply_s": summary.apply_s,
-                    "read_s": max(p.get("read", 0.0) for p in phases), "write_s": max(p.get("write", 0.0) for p in phases)}
-        directory = reload_dir(self.s.run_dir, self.index, message)
-        try:
-            self.update_full(str(directory))
-        finally:
-            import shutil
-
-            shutil.rmtree(directory, ignore_errors=True)
-        return {"bytes": float(os.path.getsize(message["path"]))}
-
-    def attach(self, rpc) -> dict[str, Any]:
-        from rltune.sync.vllm import VllmReceiver
-
-        self.receiver = VllmReceiver(rpc, self.s.sync_root)
-        start = time.perf_counter()
-        (report, *_) = self.receiver.attach()
-        return {"attach_s": time.perf_counter() - start, "plain_layers": float(report.get("plain_layers", 0))}
+    def _set_version(self, version: int) -> None:
+        self.version = version  # (vLLM's own weight version was set when the update resumed the engine)
 
     def finish(self, req_id: int, tokens: list[int], logprobs: list[float], spans, reason: str | None) -> None:
         if req_id in self.cancelled or reason == "abort":
@@ -537,8 +500,7 @@ class OfflineEngine(_Base):
         self.busy_s = 0.0
         self.steps = 0
         info: dict[str, Any] = {"boot_s": time.perf_counter() - start}
-        if self.s.transport == "sparse_delta":
-            info.update(self.attach(_Rpc(self.engine, self._after_update)))
+        info.update(self.attach(_Rpc(self.engine, self._after_update)))
         self._warm_up()
         self.kv_peak = 0.0
         info.update(params=0, warm_up_s=time.perf_counter() - start - info["boot_s"], vllm=self.snapshot())
@@ -560,6 +522,9 @@ class OfflineEngine(_Base):
 
     def idle(self) -> bool:
         return not self.engine.has_unfinished_requests()
+
+    def serving(self) -> bool:
+        return self.engine.has_unfinished_requests()
 
     def submit(self, req_id: int, prompt: list[int], max_new: int, temperature: float) -> None:
         from vllm import SamplingParams
@@ -607,10 +572,6 @@ class OfflineEngine(_Base):
         self.busy_s, self.steps = 0.0, 0
         return out
 
-    def update_full(self, directory: str) -> None:
-        self.engine.collective_rpc("reload_weights", kwargs=dict(weights_path=directory, is_checkpoint_format=True))
-        self._after_update()
-
     def close(self) -> None:
         engine = getattr(self, "engine", None)
         if engine is not None:
@@ -648,8 +609,7 @@ class ServedEngine(_Base):
         self.pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="rltune-vllm-http")
         self.outstanding = 0
         self.lock = threading.Lock()
-        if self.s.transport == "sparse_delta":
-            info.update(self.attach(self._rpc()))
+        info.update(self.attach(self._rpc()))
         self._http("POST", "/inference/v1/generate", self._body("rltune-warm-up", [self.s.eos_id] * 4, 4, 1.0))
         self.stop_polling = threading.Event()
         self.kv_peak, self.kv_sampled = 0.0, False
@@ -717,6 +677,9 @@ class ServedEngine(_Base):
     def idle(self) -> bool:
         return True  # requests run in the server; this loop only relays messages
 
+    def serving(self) -> bool:
+        return self.outstanding > 0
+
     def pump(self) -> None:
         pass
 
@@ -771,15 +734,6 @@ class ServedEngine(_Base):
             self.kv_peak = None
         self.kv_sampled = False
         return {"vllm": self.snapshot(), "busy_s": None}
-
-    def update_full(self, directory: str) -> None:
-        self._http("POST", "/pause?mode=keep")
-        try:
-            self._http("POST", "/collective_rpc", dict(method="reload_weights", kwargs=dict(
-                weights_path=directory, is_checkpoint_format=True)))
-            self._after_update()
-        finally:
-            self._http("POST", "/resume")
 
     def close(self) -> None:
         if getattr(self, "stop_polling", None) is not None:

@@ -86,7 +86,7 @@ class _Job:
 
             boot = engine_vllm.write_boot_checkpoint(trainer.module, run_dir / "engine-boot",
                                                      torch_dtype(cfg.model.engine_dtype))
-            settings = engine_vllm.settings_for(cfg, run_dir, boot, self.publisher.loader())
+            settings = engine_vllm.settings_for(cfg, run_dir, boot, self.publisher.loader("vllm"))
         else:
             settings = EngineSettings(
                 preset=cfg.model.preset, seed=cfg.model.seed, dtype=cfg.model.engine_dtype,
@@ -128,9 +128,13 @@ class _Job:
                 out[f"sync_{key}"] = published.details[key]
         if all("changes_applied" in x for x in loads):  # sparse deltas: elements each engine patched
             out["sync_changes"] = max(x["changes_applied"] for x in loads)
-        for key in ("read_s", "write_s"):  # vLLM engines: reading + decoding the delta, patching the weights
+        # dispatch stopped for the update; reading + decoding (in the pause, or while serving when the loader
+        # prefetched); patching the weights; waiting on the prefetch before the pause
+        for key in ("blocking_s", "read_s", "write_s", "prefetch_s"):
             if all(key in x for x in loads):
                 out[f"sync_{key}_max"] = max(x[key] for x in loads)
+        if all("prefetched" in x for x in loads):
+            out["sync_prefetched_frac"] = sum(x["prefetched"] for x in loads) / len(loads)
         return out
 
     def train(self, groups: list[Group]) -> tuple[dict[str, float], list[int]]:
@@ -336,15 +340,6 @@ def make_workload_publisher(cfg: WorkloadConfig, run_dir: Path, trainer):
     return publisher
 
 
-def check_transport(transport: str) -> None:
-    """Raise a TransportError naming the choices if ``sync.transport`` is not one the workload runs."""
-    from rltune.sync.transports import TransportError, canonical_name
-
-    if canonical_name(transport) == "nccl":
-        raise TransportError("sync.transport: nccl needs the engines in the trainer's process group, which the "
-                             "reference workload does not form; use filesystem, inprocess or sparse_delta")
-
-
 def run_job(cfg: WorkloadConfig, run_dir: str | os.PathLike, steps: int | None = None, trainer=None) -> Path:
     """Run the job; write ``config.yaml`` (resolved) and ``metrics.jsonl`` into ``run_dir``; return the latter."""
     from rltune.workload.trainer import DistributedTrainer, GRPOTrainer
@@ -353,7 +348,6 @@ def run_job(cfg: WorkloadConfig, run_dir: str | os.PathLike, steps: int | None =
     run_dir.mkdir(parents=True, exist_ok=True)
     if steps is not None:
         cfg.orchestrator.steps = steps
-    check_transport(cfg.sync.transport)  # fail before any process starts
     dump_yaml(cfg, run_dir / "config.yaml")
     if trainer is None:
         trainer = DistributedTrainer(GRPOTrainer(cfg))

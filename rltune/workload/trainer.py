@@ -76,7 +76,7 @@ class GRPOTrainer:
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=self.t.lr, weight_decay=self.t.weight_decay)
         self.version = 0
         self.temperature = cfg.env.temperature
-        # A weight-sync transport that diffs inside the optimizer step (sparse_delta) replaces this.
+        # A weight-sync transport that diffs inside the optimizer step (drives_optimizer_step) replaces this.
         self.optimizer_step = self.optimizer.step
 
     # -- batching ---------------------------------------------------------------------------------

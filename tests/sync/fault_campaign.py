@@ -53,7 +53,9 @@ from rltune.errors import RltuneError
 from rltune.sync import codec
 from rltune.sync import format as fmt
 from rltune.sync import store as store_module
+from rltune.sync.casting import CastTensorChangedError
 from rltune.sync.kernels.reference import P31, as_bits, checksum2_ref, checksum_ref, unsigned
+from rltune.sync.receiver import DeltaReceiver
 from rltune.sync.store import BroadcastStore
 
 CASE_TIMEOUT_S = 30.0  # per fault: the call under test, the repair and the healing call
@@ -303,7 +305,7 @@ class Trial:
 @dataclass
 class Fault:
     name: str
-    klass: str  # the issue's fault class: republish, uncovered, leftovers, cancelling, typed, fallback, store
+    klass: str  # republish, uncovered, leftovers, cancelling, typed, fallback, store, layout, cast
     make: Callable[[Case], Trial]
     seed: int = 0
 
@@ -340,7 +342,61 @@ class ToyBackend:
         return "verified"
 
 
+    def moved_engine(self, case: Case, root: Path, transform: str):
+        """A fresh engine that booted from A's step 0 and then moved its weights (:func:`transform_gate_up`),
+        its receiver, and the call that attaches it: the layout check, then the latest step."""
+        engine, rx = make_receiver(root, case.world.cfg, case.world.m0)
+        engine.load_weights(case.state("A", 0).items())
+        transform_gate_up(engine, transform)
+        boot = case.state("A", 0)
+        view = MovedToyView(engine, case.world.cfg, transform)
+        source = f"{root} (step 0, what the engine booted from)"
+        checked = []
+
+        def attach():  # as a vLLM worker does: the layout is checked at the first attach, while it holds boot weights
+            if not checked:
+                rx.check_layout(boot.__getitem__, source)
+                checked.append(True)
+            return rx.load_latest()
+        return view, rx, attach
+
+    def restart_plain(self, case: Case, root: Path, view: MovedToyView) -> Callable[[], Any]:
+        """The engine started again without its transform: undo it, and attach (check + latest step)."""
+        transform_gate_up(view.engine, view.transform, undo=True)
+        view.transform = None
+        _, rx = make_receiver(root, case.world.cfg, case.world.m0)
+        rx2 = DeltaReceiver(root, view.engine, rx.imap)
+        return lambda: (rx2.check_layout(case.state("A", 0).__getitem__), rx2.load_latest())[1]
+
+
 TOY = ToyBackend()
+
+
+@torch.no_grad()
+def transform_gate_up(engine, transform: str | None, undo: bool = False) -> None:
+    """What a kernel backend does to every ``gate_up_proj`` after loading: ``swap`` its gate and up halves
+    (a block move), or ``scale`` it by 2 (a change of values)."""
+    for layer in engine.model.layers:
+        w = layer.mlp.gate_up_proj.weight
+        half = w.shape[0] // 2
+        if transform == "swap":
+            w.copy_(torch.cat((w[half:], w[:half])))
+        elif transform == "scale":
+            w.mul_(0.5 if undo else 2.0)
+
+
+class MovedToyView:
+    """A toy engine whose kernels read a transformed layout: it holds a step when it holds that step's
+    weights as a fresh engine would after the same transform."""
+
+    def __init__(self, engine, cfg, transform: str | None):
+        self.engine, self.cfg, self.transform = engine, cfg, transform
+
+    def holds(self, state: dict) -> bool:
+        ref = reference_engine(self.cfg, state)
+        transform_gate_up(ref, self.transform)
+        got, exp = dict(self.engine.named_parameters()), dict(ref.named_parameters())
+        return all(torch.equal(got[n], exp[n]) for n in got)
 
 
 class VllmEngineView:
@@ -362,12 +418,13 @@ class VllmCaseReceiver:
     into the worker (its store's caches, a hook before the first write) goes to the in-process worker's
     own receiver (:attr:`inner`)."""
 
-    def __init__(self, llm, root: Path, timeout_s: float):
+    def __init__(self, llm, root: Path, timeout_s: float, load: bool = False):
         from rltune.sync.vllm import VllmReceiver
 
         self.llm = llm
         self.vrx = VllmReceiver(llm, str(root), timeout_s=timeout_s)
-        self.vrx.attach(load=False)
+        (r,) = self.vrx.attach(load=load)
+        self.report = _AttachReport(r["action"], r["step"], r["anchor"], list(r["deltas"]), list(r["fallbacks"]))
 
     def _state(self):
         (state,) = self.llm.collective_rpc(lambda worker: worker._rltune_state)
@@ -425,6 +482,18 @@ class VllmCaseReceiver:
         return "verified"
 
 
+class _Attaching:
+    """The receiver of a vLLM case whose call under test is the attach itself (valid once it attached)."""
+
+    def __init__(self, holder: dict):
+        self.holder = holder
+
+    @property
+    def valid(self) -> bool:
+        rx = self.holder.get("rx")
+        return rx is not None and rx.valid
+
+
 @dataclass
 class _AttachReport:
     action: str
@@ -451,6 +520,29 @@ class VllmBackend:
 
     def receiver(self, case: Case, root: Path, manifest: dict):
         return VllmEngineView(self.llm), VllmCaseReceiver(self.llm, root, self.timeout_s)
+
+    def moved_engine(self, case: Case, root: Path, transform: str):
+        """A fresh engine booted from A's step 0 whose gate/up kernel moves its weights after loading (a
+        registered Qwen3 variant, ``vllm_helpers.register_transformed_qwen3``), and the call that attaches
+        it (the layout check runs at a worker's first attach), then loads the latest step."""
+        from vllm_helpers import as_architecture, register_transformed_qwen3, start_engine
+
+        arch = f"{transform.capitalize()}GateUpQwen3ForCausalLM"
+        register_transformed_qwen3(arch, transform)
+        llm = start_engine(as_architecture(case.world.hf_dir, arch, case.scratch(arch)))
+        holder: dict[str, VllmCaseReceiver] = {}
+
+        def attach():
+            holder["rx"] = VllmCaseReceiver(llm, root, self.timeout_s, load=True)
+            return holder["rx"].report
+        return VllmEngineView(llm), _Attaching(holder), attach
+
+    def restart_plain(self, case: Case, root: Path, view: VllmEngineView) -> Callable[[], Any]:
+        """The engine started again as a plain Qwen3, and attached."""
+        from vllm_helpers import start_engine
+
+        view.llm = start_engine(case.world.hf_dir)
+        return lambda: VllmCaseReceiver(view.llm, root, self.timeout_s, load=True).report
 
     @staticmethod
     def verify_held(rx) -> str:
@@ -1606,6 +1698,58 @@ def f_prefetch_of_a_step_then_republished_is_not_used(case: Case) -> Trial:
     assert rx.prefetch(5)
     case.replace_with(root, "C")
     return Trial(rx, engine, lambda: rx.apply(5), "correct", ("C", 5))
+
+
+# ---- 7. weights the engine moved after loading -------------------------------------------------
+
+@fault("layout")
+def f_layout_moved_after_load_is_followed(case: Case) -> Trial:
+    """The engine swapped the gate and up halves of every gate_up_proj after it booted: a map recorded
+    through its loader writes the wrong halves and still verifies; the first-update check must follow
+    the blocks, and the engine then holds the latest step where its kernels read."""
+    root = case.store("A")
+    view, rx, attach = case.backend.moved_engine(case, root, "swap")
+    return Trial(rx, view, attach, "correct", ("A", 7))
+
+
+@fault("layout")
+def f_layout_changed_values_after_load_is_refused(case: Case) -> Trial:
+    """The engine's kernel doubles gate_up_proj after loading (values, not a move): no delta of the
+    checkpoint's bits can patch it, and the attach must refuse before writing anything."""
+    root = case.store("A")
+    view, rx, attach = case.backend.moved_engine(case, root, "scale")
+    state = {}
+
+    def repair():
+        state["heal"] = case.backend.restart_plain(case, root, view)
+    return Trial(rx, view, attach, "error", ("A", 7), errors=(fmt.LayoutMovedError,), repair=repair,
+                 heal=lambda: state["heal"](), match=r"recorded write\(s\) hold other values .*gate_up_proj")
+
+
+# ---- 8. cast tensors -----------------------------------------------------------------------------
+
+@fault("cast")
+def f_cast_tensor_changed_by_a_delta_is_refused_and_the_engine_keeps_its_weights(case: Case) -> Trial:
+    """The trainer keeps its final norm and head in float32 (the engines serve them in bf16: cast tensors,
+    loaded by value at anchors); a step that changes them cannot go out as a delta of the checkpoint's bits."""
+    name = "model.norm.weight"
+    root = case.scratch("cast")
+    tr = Trainer(root, interval=10, run_id="cast", kv_heads=1, model_kw=MODEL, lr=0.05, fp32=(name, "lm_head.weight"))
+    m0 = tr.pub.publish(0)
+    case.world.states["cast", 0] = _snapshot(tr)
+    engine, rx = case.receiver(root, at=0, manifest=m0)
+    before = tr.wire_state()[name].clone()
+    tr.train_step()
+    tr.pub.publish(1)
+    assert not torch.equal(tr.wire_state()[name], before), "the step left the norm as it was: the case is vacuous"
+
+    def heal():
+        tr.pub.force_full()
+        tr.pub.publish(2)
+        case.world.states["cast", 2] = _snapshot(tr)
+        return rx.apply(2)
+    return Trial(rx, engine, lambda: rx.apply(1), "error", ("cast", 2), errors=(CastTensorChangedError,),
+                 keeps=("cast", 0), heal=heal, match=r"step 1 changes (model\.norm|lm_head)\.weight")
 
 
 def summary(outcomes: list[Outcome]) -> dict[str, Any]:

@@ -27,8 +27,11 @@ class Trainer:
     def __init__(self, root, interval=3, optimizer="adamw", lr=1e-3, kv_heads=2, tie=False,
                  dtype=torch.bfloat16, wire_dtype=None, chunk_elements=1000, rank=0, world=1, run_id="run-a",
                  dense_fraction=None, encoder="auto", differ="torch", change_capacity=0.1, fused=None, incarnation=None,
-                 keep_anchors=2, model_kw=None, coding="entropy"):
+                 keep_anchors=2, model_kw=None, coding="entropy", fp32=()):
         self.model = tiny_qwen3(kv_heads, tie, dtype, **(model_kw or {}))
+        for name in fp32:  # parameters the trainer keeps in float32 (a norm, a router), the rest in ``dtype``
+            p = self.model.get_parameter(name)
+            p.data = p.data.float()
         if optimizer == "adamw":
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01, fused=fused)
         else:

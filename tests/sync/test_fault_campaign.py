@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from fault_campaign import CASE_TIMEOUT_S, FAULTS, assert_passed, build_world, run_fault
 
-CLASSES = {"republish", "uncovered", "leftovers", "cancelling", "typed", "fallback", "store"}
+CLASSES = {"republish", "uncovered", "leftovers", "cancelling", "typed", "fallback", "store", "layout", "cast"}
 
 
 @pytest.fixture(scope="module")

@@ -117,6 +117,30 @@ def test_cli_prints_the_table_and_json(tmp_path, capsys):
     assert (tmp_path / "sync-bench.parquet").exists()
 
 
+def test_the_vllm_row_patches_a_real_engine_on_the_sparse_files_and_every_update_verifies(tmp_path):
+    from vllm_helpers import vllm_skip_reason
+
+    if vllm_skip_reason() is not None:
+        pytest.skip(vllm_skip_reason())
+    cfg = with_overrides(load_sync_bench_config(resolve_preset("cpu")), steps=2, warmup_steps=1, anchor_interval=2,
+                         transports=["sparse"], vllm=True)
+    result = run_sync_bench(cfg, tmp_path)
+    rows = [r for r in result.rows if r["transport"] == "sparse/vllm"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["verified"] == 1.0 and r["checksum_verified"] == 1.0 for r in rows)
+    assert all(r["changes"] > 0 and r["prefetch_s"] is not None for r in rows if r["step"] != 2)
+    # the same files: what the vLLM row reads is what the sparse row published
+    sparse = {r["step"]: r for r in result.rows if r["transport"] == "sparse"}
+    assert all(r["bytes"] == sparse[r["step"]]["bytes"] and r["publish_s"] == sparse[r["step"]]["publish_s"]
+               for r in rows)
+    assert result.record["all_verified"] is True and "sparse/vllm" in result.record["transports"]
+
+
+def test_the_vllm_row_needs_the_sparse_transport(tmp_path):
+    with pytest.raises(SyncBenchError, match="--vllm: the vLLM row takes the sparse transport's files"):
+        with_overrides(load_sync_bench_config(resolve_preset("cpu")), transports=["filesystem"], vllm=True)
+
+
 def test_dense_steps_published_full_are_reloaded_and_verified(tmp_path):
     from rltune.sync.bench import load_sync_bench_config, resolve_preset, run_sync_bench, with_overrides
 

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from rltune.sync import transports as tr
-from rltune.sync.bench import _bit_equal
-from rltune.sync.bench.pairs import BenchContext, make_bench_transport
+from rltune.sync.bench.pairs import BenchContext, _bit_equal, make_bench_transport
 from rltune.sync.toy_engine import ToyEngine, ToyEngineConfig
 
 

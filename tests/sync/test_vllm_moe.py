@@ -119,28 +119,39 @@ def _reload_weights(worker) -> None:
     worker.reload_weights(is_checkpoint_format=True)
 
 
-def test_vllms_own_reload_of_a_cpu_moe_engine_is_refused_and_a_new_attach_repairs_the_experts(tmp_path):
-    """vLLM 0.32's ``reload_weights`` on a CPU MoE engine loads the experts in the loaded layout into the
-    repacked tensors and does not repack them again (its second ``process_weights_after_loading`` only
-    copies), so the engine serves other greedy tokens than before from the same checkpoint."""
+def test_vllms_own_reload_of_an_attached_cpu_moe_engine_breaks_it_and_rltune_refuses_to_patch_it(tmp_path):
+    """vLLM 0.32's layerwise ``reload_weights`` cannot reload an attached CPU engine: it moves every parameter
+    to the meta device, processes each layer again as it loads (the CPU GEMM repack empties ``weight``) and
+    copies the result into the tensors the layer held before, rltune's plain weights, which no longer have
+    that shape; it stops there with the rest of the engine still on meta. rltune's next update refuses to
+    patch that engine, and so does attaching again, naming the fix (a fresh engine)."""
+    from vllm.model_executor.layers import rotary_embedding
+
     from rltune.sync.vllm.worker import EngineWeightsMovedError
 
     trainer = MoeTrainer(tmp_path, interval=3)
     llm = start_engine(trainer.save())
     rx = _receiver(llm, trainer.root)
     rx.attach()
-    before = greedy(llm)
-    llm.collective_rpc(_reload_weights)
-    assert greedy(llm) != before, "vLLM's reload kept the experts' layout: this test no longer shows its effect"
-    held = rx.weights(tensors=True)[0]["model.layers.0.mlp.experts.routed_experts.w13_weight"]["tensor"]
-    assert torch.equal(held, trainer.model.model.layers[0].mlp.experts.gate_up_proj.detach())  # loaded, not repacked
+    try:
+        with pytest.raises(RuntimeError, match="must match the size of tensor b"):
+            llm.collective_rpc(_reload_weights)
+    finally:
+        # the reload moved the engine's rotary embedding to meta too, and vLLM hands one rotary embedding
+        # object to every engine of the process with the same settings (its _ROPE_DICT): later engines of
+        # this test session must build their own
+        rotary_embedding._ROPE_DICT.clear()
     step = trainer.train()
-    with pytest.raises(EngineWeightsMovedError, match="attach again"):  # its linear layers were repacked too
+    with pytest.raises(EngineWeightsMovedError, match="holds no weights .*start a fresh engine"):
         rx.update(step)
-    rx.attach()  # plain linear weights again, and the anchor + delta written where the experts' kernel reads
-    fresh = start_engine(trainer.save())
-    assert greedy(llm) == greedy(fresh)
-    assert_same_weights(rx.weights(tensors=True), reference_weights(fresh))
+    with pytest.raises(EngineWeightsMovedError, match="attaching cannot repair it: start a fresh engine"):
+        rx.attach()
+    # a fresh engine attaches, checks its layout and serves the trainer's step
+    llm = start_engine(trainer.workdir / "checkpoint-0")  # booted from step 0, attached at the latest step
+    rx = _receiver(llm, trainer.root)
+    (report,) = rx.attach()
+    assert (report["step"], report["layout"]["reused"], report["layout"]["runs_moved"]) == (step, 0, 0)
+    assert greedy(llm) == greedy(start_engine(trainer.save()))
 
 
 # --------------------------------------------------------------------------------------------- the repack replay

@@ -42,7 +42,7 @@ def _matches_a_fresh_engine(trainer, llm, rx) -> None:
 
 
 def test_a_bf16_router_is_loaded_by_value_into_the_float32_engine_and_a_delta_changing_it_is_refused(tmp_path):
-    from rltune.sync.vllm.casting import CastTensorChangedError
+    from rltune.sync.casting import CastTensorChangedError
 
     trainer = GlmMoeTrainer(tmp_path, interval=10, train_router=False)
     llm = start_engine(trainer.save())

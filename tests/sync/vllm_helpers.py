@@ -56,7 +56,7 @@ class Trainer:
     """A real Qwen3 (random init, bf16), real AdamW steps, a DeltaPublisher; ``save`` writes HF checkpoints."""
 
     def __init__(self, workdir: Path, interval: int = 3, layers: int = 2, run_id: str = "vllm-test", seed: int = 0,
-                 lr: float = 1e-3):
+                 lr: float = 1e-3, kv_heads: int = 2):
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
         from rltune.sync.sender import DeltaPublisher
@@ -64,7 +64,7 @@ class Trainer:
         self.workdir = Path(workdir)
         self.root = self.workdir / "broadcast"
         cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=256, num_hidden_layers=layers,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                          num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=32, max_position_embeddings=256,
                           tie_word_embeddings=False)
         torch.manual_seed(seed)
         self.model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
@@ -159,10 +159,25 @@ class GlmMoeTrainer(Trainer):
         self.save()
 
 
+def _ensure_expert_group() -> None:
+    """vLLM creates its expert-parallel group only when the first engine of a process serves an MoE model,
+    and later engines of the process reuse the groups it made; an in-process MoE engine started after a
+    dense one would find none. With one worker the group is that worker alone: make it if it is missing."""
+    from vllm.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized() and ps._EP is None:
+        world = ps.get_world_group()
+        backend = torch.distributed.get_backend(world.device_group)
+        ps._EP = ps.init_model_parallel_group([[world.rank]], world.local_rank, backend, group_name="ep")
+
+
 def start_engine(model_dir: Path, tp: int = 1, extension: bool = True):
     from vllm import LLM
 
     from rltune.sync.vllm import WORKER_EXTENSION
+
+    if tp == 1:
+        _ensure_expert_group()
 
     kw = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=128,
               kv_cache_memory_bytes=16 << 20, tensor_parallel_size=tp, seed=0)
@@ -182,13 +197,62 @@ def held_differences(worker, state: dict) -> list[str]:
     params = [sync.params[n] for n in sync.index_map.param_names]
     bad = []
     for name, runs in sync.index_map.tensors.items():
-        src = as_bits(state[name].contiguous()).reshape(-1)
         for cs, ln, pid, ps in zip(runs.ckpt_start.tolist(), runs.length.tolist(), runs.param.tolist(),
                                    runs.param_start.tolist(), strict=True):
-            if not torch.equal(as_bits(params[pid].data).reshape(-1)[ps:ps + ln].cpu(), src[cs:cs + ln]):
+            held = params[pid].data
+            src = as_bits(state[name].contiguous().to(held.dtype)).reshape(-1)  # a cast tensor: the engine's cast
+            if not torch.equal(as_bits(held).reshape(-1)[ps:ps + ln].cpu(), src[cs:cs + ln]):
                 bad.append(name)
                 break
     return bad
+
+
+def register_transformed_qwen3(arch: str, transform: str) -> None:
+    """Register (once) a Qwen3 variant whose gate/up GEMM transforms its weight after loading and computes
+    exactly what a plain Qwen3 computes. ``transform``: ``swap`` makes the weight [up; gate] and swaps the
+    output halves back (a block move, what FlashInfer's CUTLASS MoE backend does to fused experts);
+    ``scale`` doubles the weight and halves the output (exact in binary floating point: a transform of
+    values, which no delta of the checkpoint's bits can patch)."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+
+    if arch in ModelRegistry.get_supported_archs():
+        return
+
+    class TransformedGateUpMethod(UnquantizedLinearMethod):
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            w = layer.weight.data
+            half = w.shape[0] // 2
+            w.copy_(torch.cat((w[half:], w[:half])) if transform == "swap" else w * 2)
+
+        def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            out = torch.nn.functional.linear(x, layer.weight, bias)
+            if transform == "scale":
+                return out / 2
+            half = out.shape[-1] // 2
+            return torch.cat((out[..., half:], out[..., :half]), dim=-1)
+
+    class TransformedQwen3ForCausalLM(Qwen3ForCausalLM):
+        def __init__(self, *, vllm_config, prefix: str = ""):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            for layer in self.model.layers:
+                layer.mlp.gate_up_proj.quant_method = TransformedGateUpMethod()
+
+    ModelRegistry.register_model(arch, TransformedQwen3ForCausalLM)
+
+
+def as_architecture(checkpoint: Path, arch: str, into: Path) -> Path:
+    """A copy of a Hugging Face checkpoint directory whose config names another model class."""
+    import json
+    import shutil
+
+    shutil.copytree(checkpoint, into)
+    config = into / "config.json"
+    data = json.loads(config.read_text())
+    data["architectures"] = [arch]
+    config.write_text(json.dumps(data))
+    return into
 
 
 PROMPTS = [[11 + i, 7, 400 + 3 * i, 5, 8000 - i] for i in range(4)]

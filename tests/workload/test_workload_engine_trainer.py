@@ -12,12 +12,12 @@ import random
 import pytest
 import torch
 
-from rltune.sync.transports import TransportError, make_publisher
+from rltune.errors import WrongTypeError
+from rltune.sync.transports import make_publisher
 from rltune.workload.config import WorkloadConfig, config_from_data
 from rltune.workload.engine import Engine, EngineSettings
 from rltune.workload.envs import make_math_task
 from rltune.workload.model import build_model, sampled_logprobs
-from rltune.workload.orchestrator import check_transport
 from rltune.workload.tokenizer import TOKENIZER
 from rltune.workload.trainer import GRPOTrainer, TrainSample
 
@@ -125,9 +125,11 @@ def test_weight_versions_move_with_loads(tmp_path):
             p.add_(0.01)
     for name in ("filesystem", "inprocess"):
         publisher = make_publisher(name, model=model, workdir=tmp_path, engine_dtype=torch.float32)
-        engine.s.loader = publisher.loader()
+        engine.loads.loader = engine.s.loader = publisher.loader()
         published = publisher.publish(3)
         engine.handle(("load", 3, published.message))
+        assert engine.loads.due(serving=True)  # a full-copy transport prefetches nothing: the load may run at once
+        engine.loads.finish(engine._loaded)
         kind, _, version, loaded = out.get()
         assert (kind, version) == ("loaded", 3)
         assert loaded["bytes"] == published.bytes > 0
@@ -139,11 +141,16 @@ def test_weight_versions_move_with_loads(tmp_path):
 
 def test_the_workload_refuses_a_transport_it_cannot_run_and_names_the_choices():
     for name in ("filesystem", "inprocess", "sparse_delta"):
-        check_transport(name)
-    with pytest.raises(TransportError, match="filesystem, inprocess, sparse_delta, nccl"):
-        check_transport("rdma")
-    with pytest.raises(TransportError, match="nccl needs the engines in the trainer's process group"):
-        check_transport("nccl")
+        assert config_from_data({"schema_version": 1, "sync": {"transport": name}}, "<test>").sync.transport == name
+    # nccl needs the engines in the trainer's process group, which the workload does not form
+    for name in ("rdma", "nccl"):
+        with pytest.raises(WrongTypeError, match="sync.transport: expected one of 'filesystem', 'inprocess', "
+                                                 f"'sparse_delta', found string '{name}'"):
+            config_from_data({"schema_version": 1, "sync": {"transport": name}}, "<test>")
+    with pytest.raises(WrongTypeError, match="sync.transport: inprocess has no loader for vLLM engines; they take "
+                                             "filesystem or sparse_delta"):
+        config_from_data({"schema_version": 1, "sync": {"transport": "inprocess"}, "engine": {"backend": "vllm"}},
+                         "<test>")
 
 
 def _samples(n=6, seed=0):

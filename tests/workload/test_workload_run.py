@@ -95,6 +95,10 @@ def test_fully_async_keeps_sample_age_within_the_cap_with_sparse_delta_sync(tmp_
     # Engines took every version through rltune.sync: deltas each step, an anchor every 2nd version.
     assert [r["sync_anchor_bytes"] > 0 for r in recs] == [False, True, False, True]
     assert all(r["sync_delta_bytes"] > 0 for r in recs)
+    # the engines' loader read and decoded every step on a thread as soon as it was published (the engines
+    # attached and loaded step 0 before serving); the pause only patched
+    assert [r["sync_prefetched_frac"] for r in recs] == [1.0] * 4
+    assert all(0 < r["sync_blocking_s_max"] <= r["sync_load_s_max"] for r in recs)
 
 
 def test_tool_use_in_one_step_async_mode_runs_turns_in_sandboxes_and_leaves_nothing(tmp_path):

@@ -96,6 +96,7 @@ def test_a_served_engine_in_one_step_async_mode_reads_its_counters_from_metrics(
                                       "orchestrator.rl_mode=one_step_async", "sync.transport=sparse_delta",
                                       "sync.delta_coding=plain"])
     recs = records(metrics)
+    assert [r["sync_prefetched_frac"] for r in recs] == [1.0] * len(recs)  # through the server's /collective_rpc
     # plain coding: a u32 position and a bf16 difference for every change the engine verified and patched
     assert all(r["sync_delta_bytes"] >= 6 * r["sync_changes"] > 0 for r in recs), [r["sync_delta_bytes"] for r in recs]
     # batch k+1 is generated with v_k while v_k+1 trains: one version old, and the gap shows it
@@ -118,6 +119,10 @@ def test_tool_use_in_fully_async_mode_on_vllm_keeps_sample_age_within_the_cap(tm
                                       "orchestrator.max_sample_age=1", "sync.transport=sparse_delta"])
     recs = records(metrics)
     assert all(r["sample_age_max"] <= 1 for r in recs)
+    # every update's delta was read and decoded by the workers' prefetch, begun while the engine served;
+    # dispatch stopped only for the update itself, inside the whole load
+    assert [r["sync_prefetched_frac"] for r in recs] == [1.0] * len(recs)
+    assert all(0 < r["sync_blocking_s_max"] <= r["sync_load_s_max"] for r in recs)
     for rec in recs:
         assert rec["sandbox_setup_s"] > 0 and rec["sandbox_exec_s"] > 0
         assert 1 < rec["turns_mean"] <= 2

@@ -31,7 +31,8 @@ def test_engine_vllm_entries_are_set_one_at_a_time_by_override():
 @pytest.mark.parametrize(("config", "override", "where", "text"), [
     (TINY, "engine.vllm.max_num_seqs=8", "engine.vllm", "only vLLM engines take it; set engine.backend: vllm"),
     (TINY, "engine.serve=true", "engine.serve", "only vLLM engines take it"),
-    (TINY_VLLM, "sync.transport=inprocess", "sync.transport", "vLLM engines take filesystem (a full reload"),
+    (TINY_VLLM, "sync.transport=inprocess", "sync.transport", "inprocess has no loader for vLLM engines; they take "
+                                                              "filesystem or sparse_delta"),
     (TINY_VLLM, "engine.compile=true", "engine.compile", "HF engine only"),
     (TINY_VLLM, "engine.batching=static", "engine.batching", "HF engine only"),
     (TINY_VLLM, "engine.vllm.dtype=float16", "engine.vllm.dtype", "rltune sets this vLLM argument itself: set model.engine_dtype"),

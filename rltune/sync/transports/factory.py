@@ -16,17 +16,15 @@ from typing import Any
 import torch
 
 from rltune.sync.transports.base import Publisher, TransportError
-
-TRANSPORT_NAMES = ("filesystem", "inprocess", "sparse_delta", "nccl")
-ALIASES = {"sparse": "sparse_delta"}  # sync-bench's name for it
+from rltune.sync.transports.registry import ALIASES, TRANSPORT_NAMES, UnknownTransportError, transport_info
 
 
 def canonical_name(name: str) -> str:
     """``name`` as the layer spells it (``sparse`` -> ``sparse_delta``); raises for an unknown one."""
-    name = ALIASES.get(name, name)
-    if name not in TRANSPORT_NAMES:
-        raise TransportError(f"unknown transport {name!r}; choose from {', '.join(TRANSPORT_NAMES)}")
-    return name
+    try:
+        return transport_info(name).name
+    except UnknownTransportError as exc:
+        raise TransportError(str(exc)) from None
 
 
 def make_publisher(name: str, *, model: torch.nn.Module, workdir: str | Path, optimizer: torch.optim.Optimizer | None = None,

@@ -2,12 +2,18 @@
 
 The trainer writes ``<dir>/step-NNNNNN.safetensors`` (streamed, fsync'd, renamed into place); the
 message carries its path. Once every engine has loaded a step, checkpoints beyond the newest
-``keep`` are removed.
+``keep`` are removed. Engine side: :class:`FilesystemLoader` loads a torch module by name (or
+through its ``load_weights``); :class:`VllmFilesystemLoader` hands the checkpoint to vLLM's own
+``reload_weights`` (load + post-load processing, as at boot), the baseline the sparse path is
+measured against.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +40,39 @@ class FilesystemLoader(Loader):
         state = load_file(message["path"], device=str(device))
         load_into(engine, state.items())
         return LoadResult(bytes=float(os.path.getsize(message["path"])))
+
+
+class VllmFilesystemLoader(Loader):
+    """A vLLM engine reloads the step's checkpoint through its own ``reload_weights``, every worker, in the pause.
+
+    vLLM reads every safetensors file of the directory it is given, so the step's checkpoint is
+    linked (a copy on another file system) into a directory of its own beside it for the reload.
+    """
+
+    family = "vllm"
+
+    def load(self, engine: Any, message: dict[str, Any]) -> LoadResult:
+        path = Path(message["path"])
+        directory = path.parent / f".reload-{path.stem}-{uuid.uuid4().hex[:8]}"
+        directory.mkdir()
+        try:
+            try:
+                os.link(path, directory / "model.safetensors")
+            except OSError:  # another file system: a copy reads the same bytes
+                shutil.copyfile(path, directory / "model.safetensors")
+            t0 = time.perf_counter()
+            engine.pause()
+            t1 = time.perf_counter()
+            try:
+                engine.collective_rpc("reload_weights", dict(weights_path=str(directory), is_checkpoint_format=True))
+            finally:
+                t2 = time.perf_counter()
+                engine.resume()
+            t3 = time.perf_counter()
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        return LoadResult(bytes=float(path.stat().st_size),
+                          details=dict(pause_s=t1 - t0, apply_s=t2 - t1, resume_s=t3 - t2))
 
 
 class FilesystemPublisher(Publisher):
@@ -63,8 +102,9 @@ class FilesystemPublisher(Publisher):
         size = path.stat().st_size
         return PublishResult(t["write"], size, message=dict(step=step, path=str(path)))
 
-    def loader(self) -> FilesystemLoader:
-        return FilesystemLoader()
+    def loader(self, family: str = "torch") -> Loader:
+        self._check_family(family)
+        return VllmFilesystemLoader() if family == "vllm" else FilesystemLoader()
 
     def loaded(self, step: int) -> None:
         while len(self.written) > self.keep:

@@ -63,5 +63,6 @@ class InprocessPublisher(Publisher):
                         buf.copy_(state[name])
         return PublishResult(t["publish"], state_bytes(self.buffers or state), message=dict(step=step))
 
-    def loader(self) -> InprocessLoader:
+    def loader(self, family: str = "torch") -> InprocessLoader:
+        self._check_family(family)
         return InprocessLoader(self.buffers if self.buffers is not None else trainer_state(self.model))

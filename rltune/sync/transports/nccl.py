@@ -190,7 +190,8 @@ class NcclPublisher(Publisher):
         return PublishResult(t["broadcast"], state_bytes(trainer_state(self.model)) * (self.world - 1),
                              message=dict(step=step))
 
-    def loader(self) -> NcclLoader:
+    def loader(self, family: str = "torch") -> NcclLoader:
+        self._check_family(family)
         return self._loader  # what every engine rank runs; they got it when they were started
 
     def engine_timings(self) -> list[list[float]]:

@@ -42,9 +42,9 @@ class RpcError(RltuneError):
 
 def error_class(name: str) -> type[RltuneError]:
     """The rltune error class called ``name`` (what a worker reported), or RltuneError."""
+    from rltune.sync import casting, kernels
     from rltune.sync import format as fmt
-    from rltune.sync import kernels
-    from rltune.sync.vllm import casting, worker
+    from rltune.sync.vllm import worker
 
     for module in (fmt, worker, casting, kernels):
         cls = getattr(module, name, None)
@@ -54,9 +54,16 @@ def error_class(name: str) -> type[RltuneError]:
 
 
 class EngineRpc(Protocol):
-    """How the receiver reaches the workers: one result dict per worker for each call."""
+    """How the receiver (and the transports' vLLM loaders) reach the workers of one engine.
+
+    ``call``: one of the worker extension's methods, one result dict per worker; ``collective_rpc``:
+    one of vLLM's own worker methods with keyword arguments (``reload_weights``); ``pause`` and
+    ``resume``: stop and restart dispatch to the engine around an update.
+    """
 
     def call(self, method: str, request: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]: ...
+
+    def collective_rpc(self, method: str, kwargs: dict[str, Any]) -> list[Any]: ...
 
     def pause(self) -> None: ...
 
@@ -72,6 +79,9 @@ class LLMRpc:
 
     def call(self, method: str, request: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
         return list(self.llm.collective_rpc(method, args=(json.dumps(request),), timeout=timeout_s))
+
+    def collective_rpc(self, method: str, kwargs: dict[str, Any]) -> list[Any]:
+        return list(self.llm.collective_rpc(method, kwargs=kwargs))
 
     def pause(self) -> None:
         pass
@@ -116,6 +126,10 @@ class HttpRpc:
         if not isinstance(out, dict) or not isinstance(out.get("results"), list):
             raise RpcError(f"{self.base_url}/collective_rpc answered {str(out)[:200]!r}, not {{'results': [...]}}")
         return out["results"]
+
+    def collective_rpc(self, method: str, kwargs: dict[str, Any]) -> list[Any]:
+        out = self._post("/collective_rpc", dict(method=method, kwargs=kwargs))
+        return list(out["results"]) if isinstance(out, dict) and isinstance(out.get("results"), list) else [out]
 
     def pause(self) -> None:
         self._post(f"/pause?mode={self.pause_mode}")
@@ -186,6 +200,10 @@ class VllmReceiver:
     def prepare(self, step: int) -> None:
         """Start every worker reading and decoding ``step``'s changes; returns at once."""
         self._call("rltune_prepare", dict(step=int(step)))
+
+    def prepared(self, step: int) -> bool:
+        """Every worker has finished reading and decoding ``step`` (the :meth:`prepare` begun for it)."""
+        return all(r["done"] and r["step"] == int(step) for r in self._call("rltune_prepared", {}))
 
     def update(self, step: int, wait_s: float = 0.0) -> UpdateSummary:
         """Pause dispatch, bring every worker to ``step`` and verify it, resume (also after a failure).

@@ -1,8 +1,8 @@
 """Inside each vLLM worker: the extension vLLM mixes into its worker class (``worker_extension_cls``).
 
-:class:`RltuneWorkerExtension` adds five methods that an orchestrator calls through vLLM's
+:class:`RltuneWorkerExtension` adds six methods that an orchestrator calls through vLLM's
 ``collective_rpc`` (every worker of the engine runs each): ``rltune_attach``, ``rltune_prepare``,
-``rltune_update``, ``rltune_verify`` and ``rltune_weights``. Each takes one JSON string and returns a JSON-able dict,
+``rltune_prepared``, ``rltune_update``, ``rltune_verify`` and ``rltune_weights``. Each takes one JSON string and returns a JSON-able dict,
 so the same calls work in-process (``LLM.collective_rpc``) and over HTTP (``vllm serve`` with
 ``VLLM_SERVER_DEV_MODE=1``: ``POST /collective_rpc``). An rltune error comes back as
 ``{"ok": false, "error": <class name>, "message": ...}`` rather than as an exception, so that
@@ -38,7 +38,7 @@ What attaching does, on every worker:
    GLM-4.5's router in float32 whatever the checkpoint holds) cannot take a delta of the
    checkpoint's bits: it leaves the receiver's map and is loaded by value with the loader's own
    cast, at anchors only; a delta that changes one is refused before anything is written
-   (:mod:`rltune.sync.vllm.casting`).
+   (:mod:`rltune.sync.casting`).
 5. The latest complete anchor (only the rows this worker holds) and the deltas since, verified.
 
 Before every update writes anything, the worker checks that each parameter it writes is still the
@@ -130,7 +130,7 @@ def record_index_map(vllm_config, spec: dict[str, tuple[list[int], str]], source
     def placeholder_model(dtype: torch.dtype) -> torch.nn.Module:
         model = build_unprocessed_model(vllm_config, dtype)
         # parameters vLLM builds in a dtype of their own (GLM-4.5's float32 router) hold codes too; what the
-        # engine holds them in is read from the serving model (rltune.sync.vllm.casting)
+        # engine holds them in is read from the serving model (rltune.sync.casting)
         for p in model.parameters():
             if p.is_floating_point() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
@@ -235,25 +235,33 @@ def replay_expert_repack(serving: torch.nn.Module, placeholder: torch.nn.Module)
     return moved
 
 
-def keep_plain_weights(model: torch.nn.Module, vllm_config) -> int:
-    """CPU: make every layer vLLM repacked compute with its plain, registered weight again.
-
-    The weights vLLM emptied come from an unprocessed instance loaded by the engine's own loader
-    from the engine's checkpoint (the values it booted with). Returns the layers changed.
-    """
+def load_unprocessed(vllm_config, dtype: torch.dtype) -> torch.nn.Module:
+    """A second instance of the engine's model on the CPU, loaded by the engine's own loader from the
+    engine's boot checkpoint and not processed after loading: every element where the loader put it,
+    holding the value the engine booted with."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
 
+    fresh = build_unprocessed_model(vllm_config, dtype)
+    with set_current_vllm_config(vllm_config):
+        get_model_loader(vllm_config.load_config).load_weights(fresh, vllm_config.model_config)
+    return fresh
+
+
+def keep_plain_weights(model: torch.nn.Module, vllm_config, fresh: torch.nn.Module | None = None) -> int:
+    """CPU: make every layer vLLM repacked compute with its plain, registered weight again.
+
+    The weights vLLM emptied come from ``fresh`` (:func:`load_unprocessed`, built here when not given):
+    the values the engine booted with. Returns the layers changed.
+    """
     layers = [(name, m) for name, m in model.named_modules() if hasattr(m, "cpu_linear")]
     if not layers:
         return 0
     emptied = [name for name, m in layers
                if any(p.numel() == 0 for p in m.parameters(recurse=False))]
     if emptied:
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        fresh = build_unprocessed_model(vllm_config, dtype)
-        with set_current_vllm_config(vllm_config):
-            get_model_loader(vllm_config.load_config).load_weights(fresh, vllm_config.model_config)
+        if fresh is None:
+            fresh = load_unprocessed(vllm_config, next(p.dtype for p in model.parameters() if p.is_floating_point()))
         fresh_modules = dict(fresh.named_modules())
         for name in emptied:
             module, source = dict(model.named_modules())[name], fresh_modules[name]
@@ -264,6 +272,28 @@ def keep_plain_weights(model: torch.nn.Module, vllm_config) -> int:
     for _, m in layers:
         m.cpu_linear = plain_linear
     return len(layers)
+
+
+def boot_values(fresh: torch.nn.Module, loaded) -> callable:
+    """``name -> tensor``: checkpoint tensor ``name`` as the engine booted with it, read from ``fresh``
+    (:func:`load_unprocessed`) through ``loaded``, the index map of the loader's own layout. Elements
+    this worker does not hold are zero (the layout check reads only the held ones)."""
+    from rltune.sync.kernels.reference import as_bits
+
+    named = dict(fresh.named_parameters())
+    params = [named[n] for n in loaded.param_names]
+
+    def boot(name: str) -> torch.Tensor:
+        runs = loaded.tensors[name]
+        dtype = params[int(runs.param[0])].dtype if len(runs.param) else torch.float32
+        out = torch.zeros(runs.numel, dtype=dtype)
+        bits = as_bits(out)
+        for cs, ln, pid, ps in zip(runs.ckpt_start.tolist(), runs.length.tolist(), runs.param.tolist(),
+                                   runs.param_start.tolist(), strict=True):
+            bits[cs:cs + ln] = as_bits(params[pid].data).reshape(-1)[ps:ps + ln]
+        return out
+
+    return boot
 
 
 class KernelGuard:
@@ -289,6 +319,11 @@ class KernelGuard:
     def _check(self) -> None:
         for name, module, leaf, p, address, numel in self.slots:
             live = module._parameters.get(leaf)
+            if p.is_meta or (live is not None and live.is_meta):
+                raise EngineWeightsMovedError(
+                    f"engine parameter {name} holds no weights (a meta tensor): a reload of the engine's weights "
+                    "stopped part way (vLLM's layerwise reload_weights does on an attached CPU engine); the engine "
+                    "cannot serve and attaching cannot repair it: start a fresh engine")
             if live is not p or p.numel() != numel or numel == 0 or p.data_ptr() != address:
                 raise EngineWeightsMovedError(
                     f"engine parameter {name} was replaced or moved since attach (vLLM's reload_weights and its "
@@ -337,7 +372,6 @@ class WorkerSync:
     def __init__(self, worker, root: str, timeout_s: float, verify: str):
         from rltune.sync.receiver import DeltaReceiver
         from rltune.sync.store import BroadcastStore
-        from rltune.sync.vllm.casting import CastLoads
 
         self.worker = worker
         self.timeout_s = timeout_s
@@ -358,21 +392,48 @@ class WorkerSync:
         self.index_map = tp.phase(lambda: record_index_map(config, spec, source, self.model),
                                   "attaching: recording the index map")
         self.record_s = time.perf_counter() - start
-        self.plain_layers = keep_plain_weights(self.model, config) if self.device.type == "cpu" else 0
+        # the weights the engine booted with, as its own loader laid them out: for plain CPU weights and for
+        # the layout check; built only when one of them needs it
+        layout_key = self.index_map.fingerprint()
+        cached = getattr(worker, "_rltune_layout", None)
+        checking = not (cached and cached[0] == layout_key)
+        fresh = None
+        if checking or self.device.type == "cpu":
+            dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())
+            fresh = tp.phase(lambda: load_unprocessed(config, dtype), "attaching: loading the boot checkpoint")
+        self.plain_layers = keep_plain_weights(self.model, config, fresh) if self.device.type == "cpu" else 0
         named = dict(self.model.named_parameters())
         self.params = {n: named[n] for n in self.index_map.param_names}
-        # tensors the engine holds in another dtype than the checkpoint's are loaded by value, not patched
-        receiver_map, self.cast = CastLoads.split(store, self.index_map, named, manifest)
         self.guard = KernelGuard(self.model, self.params)
         tp.phase(self.guard, "attaching: checking the parameters the receiver writes")
         # GPU: the fused Triton kernel; CPU: its compiled CPU pass (the torch reference, ~1 µs a change on
         # two cores, would hold the pause for seconds at 100 M parameters)
         fused_backend = "triton" if self.device.type == "cuda" else "numba"
-        self.receiver = DeltaReceiver(root, self.model, receiver_map, group=self.group, fused=True,
-                                      fused_backend=fused_backend)
+        # tensors the engine holds in another dtype than the checkpoint's (GLM-4.5's float32 router) are set
+        # apart now, loaded by value and never patched (rltune.sync.casting)
+        self.receiver = DeltaReceiver(root, self.model, self.index_map, group=self.group, fused=True,
+                                      fused_backend=fused_backend, manifest=manifest)
+        self.cast = self.receiver.cast
         self.receiver.before_write = self.guard
+        self.layout = self._layout(worker, layout_key, cached, fresh)
         self.verify = verify
         self._prefetch: tuple[int, threading.Thread, dict[str, Any]] | None = None
+
+    def _layout(self, worker, key: str, cached, fresh) -> dict[str, int]:
+        """The first-update layout check (:meth:`DeltaReceiver.check_layout`) at the engine's first attach,
+        while it holds its boot weights; a later attach of the same map reuses the moves found then."""
+        if cached and cached[0] == key:
+            self.receiver.relocate(cached[1])
+            return dict(cached[2], reused=1)
+        if getattr(worker, "_rltune_written", False):
+            raise VllmSyncError("the engine's weights were written since it booted and the index map differs from "
+                                "the one its layout was checked with at its first attach; start a fresh engine for "
+                                "another model")
+        loaded = self.index_map.loaded or self.index_map
+        report = self.receiver.check_layout(boot_values(fresh, loaded), source=str(worker.vllm_config.model_config.model))
+        summary = report.summary()
+        worker._rltune_layout = (key, report.moves, summary)
+        return dict(summary, reused=0)
 
     @staticmethod
     def _latest(store) -> int:
@@ -385,29 +446,8 @@ class WorkerSync:
     # ----------------------------------------------------------------------------------------- calls
 
     def load_latest(self) -> dict[str, Any]:
-        if self.cast.names:
-            latest = self.tp.decide(lambda: self._latest(self.store), "loading: finding the latest step",
-                                    sends="the step to load")
-            self._stage_cast(latest)
-        report = self.receiver.load_latest()
-        self._write_cast(report.step)
-        return _report(report, self.receiver)
-
-    def _stage_cast(self, step: int) -> None:
-        """Before anything is written: what ``step`` needs of the cast tensors (every worker, failing together)."""
-        self.tp.phase(lambda: self.cast.stage(step), f"reading the cast tensors of step {step}")
-
-    def _write_cast(self, step: int | None) -> None:
-        if not self.cast.names or step is None:
-            return
-        try:
-            if self.cast.staged_step != step:  # the step moved on between the staging and the receiver's plan
-                self._stage_cast(step)
-            self.cast.write()
-        except Exception:
-            self.receiver.valid = False  # the next update reloads everything, cast tensors included
-            self.cast.forget()
-            raise
+        self.worker._rltune_written = True  # from here on the engine may no longer hold its boot weights
+        return _report(self.receiver.load_latest(), self.receiver)
 
     def prepare(self, step: int) -> dict[str, Any]:
         self._join_prefetch()
@@ -422,6 +462,13 @@ class WorkerSync:
         self._prefetch = (step, thread, result)
         thread.start()
         return dict(step=step, started=True)
+
+    def prepared(self) -> dict[str, Any]:
+        """Whether the prefetch begun last has finished (``step`` None: none was begun)."""
+        if self._prefetch is None:
+            return dict(step=None, done=True)
+        step, thread, _ = self._prefetch
+        return dict(step=step, done=not thread.is_alive())
 
     def _join_prefetch(self) -> dict[str, Any]:
         if self._prefetch is None:
@@ -438,14 +485,10 @@ class WorkerSync:
 
     def update(self, step: int, wait_s: float = 0.0) -> dict[str, Any]:
         prefetch = self._join_prefetch()
-        if self.cast.names:
-            if wait_s > 0:
-                self.store.wait_complete(step, wait_s)
-            self._stage_cast(step)
+        self.worker._rltune_written = True
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         report = self.receiver.apply(step, wait_s=wait_s)
-        self._write_cast(report.step)
         if self.verify == "full":
             self._verify_full(step)
         if self.device.type == "cuda":
@@ -543,6 +586,7 @@ class RltuneWorkerExtension:
                            anchor_loads=0, deltas_applied=0, fallbacks=[], valid=False, attempt=None)
             out.update(attach_s=time.perf_counter() - start, record_s=state.record_s, tp_rank=state.tp_rank,
                        tp_size=state.tp_size, plain_layers=state.plain_layers, cast=state.cast.describe(),
+                       layout=state.layout,
                        engine_only={k: v for k, v in state.index_map.engine_only.items()})
             return out
         return _call(attach, request)
@@ -550,6 +594,10 @@ class RltuneWorkerExtension:
     def rltune_prepare(self, request: str = "") -> dict[str, Any]:
         """``{"step": S}``: start reading and decoding step S's changes; returns at once."""
         return _call(lambda step: dict(ok=True, **self._rltune_sync().prepare(_step(step))), request)
+
+    def rltune_prepared(self, request: str = "") -> dict[str, Any]:
+        """``{}``: whether the prefetch begun last has finished (``{"step": S, "done": bool}``)."""
+        return _call(lambda: dict(ok=True, **self._rltune_sync().prepared()), request)
 
     def rltune_update(self, request: str = "") -> dict[str, Any]:
         """``{"step": S, "wait_s": 0}``: bring the weights to step S in place (or reload + replay) and verify

@@ -1,12 +1,15 @@
-"""Checkpoint tensors a vLLM engine holds in another dtype: loaded by value with the engine's cast, never patched.
+"""Checkpoint tensors an engine holds in another dtype: loaded by value with the engine's cast, never patched.
 
 Some engine parameters are not in the checkpoint's dtype: vLLM builds GLM-4.5's MoE router
 (``mlp.gate.weight``) and its ``e_score_correction_bias`` in float32 whatever the checkpoint holds,
-and its loader casts the bf16 values into them (``param.data.copy_(loaded)``). A sparse delta of the
-checkpoint's bits cannot patch such a parameter in place (the engine's bits are not the
-checkpoint's), and the trainer's checksums are of the checkpoint's bits, not the engine's.
+and its loader casts the bf16 values into them (``param.data.copy_(loaded)``); any engine may keep
+a norm in float32 the same way. A sparse delta of the checkpoint's bits cannot patch such a
+parameter in place (the engine's bits are not the checkpoint's), and the trainer's checksums are
+of the checkpoint's bits, not the engine's.
 
-So these tensors leave the receiver's index map and are handled here, by value:
+So these tensors leave the receiver's index map and are handled here, by value, by every
+:class:`~rltune.sync.receiver.DeltaReceiver` (torch engines and vLLM workers alike), inside its
+update:
 
 - Before an update writes anything (:meth:`CastLoads.stage`, a TP-group phase): for each cast
   tensor, if the target step's manifest gives it the checksums of the values held, nothing to do;
@@ -28,10 +31,9 @@ import torch
 
 from rltune.sync import format as fmt
 from rltune.sync.indexmap import IndexMap, TensorRuns
-from rltune.sync.vllm.worker import VllmSyncError
 
 
-class CastTensorChangedError(VllmSyncError):
+class CastTensorChangedError(fmt.SyncFormatError):
     """A delta changes a checkpoint tensor the engine holds cast to another dtype (it cannot be patched in place)."""
 
 
