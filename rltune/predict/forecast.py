@@ -68,8 +68,9 @@ from rltune.predict.setup import (
 from rltune.predict.theory import (
     STAGES,
     TheoryModel,
+    case_step,
     device_class,
-    measured_stages,
+    known_stages,
     median_error,
     modelled_settings,
     pinned_coefficients,
@@ -90,6 +91,7 @@ MAX_ANCHOR_CANDIDATES = 12
 MAX_SIMILAR_CASES = 8
 MAX_SIMILAR_DISTANCE = 8.0
 RANGE_Z = 1.645  # two-sided 90 % of a normal in log space, before calibration
+PUBLIC_DISTANCE_PENALTY = 4.0  # what a public run's distance carries: another project's job, on its software
 THEORY_ONLY_SIGMA = 0.5
 MIN_CALIBRATION_FORECASTS = 8
 RL_MODE_SHARED_DEVICE_SIGMA = 0.4
@@ -208,6 +210,13 @@ class Prepared:
     # theory.pinned_coefficients): what prices a value no case ran
     prior_theory: TheoryModel = field(default_factory=TheoryModel)
     stages_reading: dict[str, set[str]] = field(default_factory=dict)  # modelled setting -> the stages whose terms read it
+    # each case's stages and step as the forecast uses them: measured, and where a public run did not publish a stage,
+    # the theory's split of its measured step (:func:`case_times`)
+    stages: list[dict[str, float]] = field(default_factory=list)
+    steps: list[float] = field(default_factory=list)
+    # the public runs that stand behind forecasts of GPU jobs this library has no runs of (see :func:`forecast_prepared`),
+    # made ready with this library's theory and effects; None: no prior
+    prior: Prepared | None = None
     _theory_memo: dict | None = None
 
     def has_seen(self, device: str, name: str, value: Any) -> bool:
@@ -254,51 +263,154 @@ class Prepared:
 
 
 def prepare(cases: Sequence[CaseRecord], theory: TheoryModel | None = None, *, fit: bool = True,
-            cache_dir: str | os.PathLike | None = None) -> Prepared:
-    """Fit the theory to the ok cases (unless ``fit`` is False) and learn knob effects.
+            cache_dir: str | os.PathLike | None = None, prior: PriorLibrary | None = None) -> Prepared:
+    """Fit the theory to the usable cases (unless ``fit`` is False) and learn knob effects.
 
     Both depend only on the library's cases, so they are learned once per library: kept in
     memory, and -- given ``cache_dir`` (the library directory) -- in ``_model.json`` there, keyed
     by a hash of the cases and of the code's cache format. Appending a case changes the key; the
     next forecast learns again.
+
+    ``prior`` (:func:`shipped_prior`): public runs that stand behind this library. Their fitted
+    theory is the start and the weak pull of this library's GPU fit (the library's own runs
+    outweigh it as they accumulate), and they are the similar runs of a GPU job this library has
+    no runs near (:func:`forecast_prepared`).
     """
-    ok = [c for c in cases if c.status == "ok"]
-    model = theory or TheoryModel()
+    ok = [c for c in cases if c.usable and case_step(c) is not None]
+    base = prior.model if prior is not None and theory is None else (theory or TheoryModel())
+    model = base
     setups = [setup_from_case(c) for c in ok]
     if ok:
-        model, effects = _learned(model, ok, setups, cache_dir, fit)
+        model, effects = _learned(theory or TheoryModel(), ok, setups, cache_dir, fit, prior.model if prior is not None else None)
     else:
         effects = knob_effects(ok)
+    prepared = _prepared(ok, setups, model, effects, base, fit)
+    if prior is not None and prior.cases:
+        prepared.prior = _prepared(prior.cases, prior.setups, model, effects, base, fit=False, pinned_from=ok)
+    return prepared
+
+
+def _prepared(cases: list[CaseRecord], setups: list[Setup], model: TheoryModel, effects: KnobEffects, base: TheoryModel, fit: bool,
+              pinned_from: list[CaseRecord] | None = None) -> Prepared:
+    case_theory = model.stages_many(setups) if setups else {s: np.zeros(0) for s in STAGES}
+    times = [case_times(c, {s: float(case_theory[s][i]) for s in STAGES}) for i, c in enumerate(cases)]
+    pinned = pinned_coefficients(pinned_from if pinned_from is not None else cases)
     return Prepared(
-        cases=ok, setups=setups, theory=model, effects=effects,
-        case_theory=model.stages_many(setups) if setups else {s: np.zeros(0) for s in STAGES},
-        matrix=_SettingMatrix(setups), range_scale=range_calibration(ok), modelled=modelled_settings(),
+        cases=cases, setups=setups, theory=model, effects=effects, case_theory=case_theory,
+        matrix=_SettingMatrix(setups), range_scale=range_calibration(cases), modelled=modelled_settings(),
         seen={(device_class(s.device), name, repr(value)) for s in setups for name, value in s.settings().items()},
-        prior_theory=with_pinned(theory or TheoryModel(), model, pinned_coefficients(ok)) if ok and fit else (theory or TheoryModel()),
-        stages_reading=stages_reading(),
+        prior_theory=with_pinned(base, model, pinned) if (pinned_from or cases) and (fit or pinned_from is not None) else base,
+        stages_reading=stages_reading(), stages=[t[0] for t in times], steps=[t[1] for t in times],
     )
+
+
+def case_times(case: CaseRecord, theory: dict[str, float]) -> tuple[dict[str, float], float]:
+    """(stages, step) of a case as the forecast uses them.
+
+    A run rltune recorded measured all of them. A public run may have published the step alone (or
+    some stages): its unknown stages take the theory's split (``theory``, its stages under its own
+    setup), scaled by one factor so that the RL-mode rule gives back the step it measured -- the
+    measured step is kept, and a change that moves one stage moves it by as much as theory says.
+    """
+    known = known_stages(case)
+    step = case_step(case)
+    unknown = [s for s in STAGES if known[s] is None]
+    if not unknown:
+        stages = {s: float(known[s]) for s in STAGES}
+        return stages, float(step if step is not None else combine(case.rl_mode, *(stages[s] for s in STAGES))[0])
+
+    def filled(scale: float) -> dict[str, float]:
+        return {s: float(known[s]) if known[s] is not None else max(theory[s], 0.0) * scale for s in STAGES}
+
+    if step is None:
+        stages = filled(1.0)
+        return stages, combine(case.rl_mode, *(stages[s] for s in STAGES))[0]
+    lo, hi = 1e-6, 1e6
+    if combine(case.rl_mode, *filled(lo).values())[0] >= step:
+        return filled(0.0), step  # the published stages alone make the step: the unknown ones are (nearly) nothing
+    if combine(case.rl_mode, *filled(hi).values())[0] <= step:
+        return filled(hi), step
+    for _ in range(60):  # the rule grows with the scale: bisect in log space
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if combine(case.rl_mode, *filled(mid).values())[0] < step else (lo, mid)
+    return filled(math.sqrt(lo * hi)), step
+
+
+@dataclass
+class PriorLibrary:
+    """Public runs and the theory fitted to them: what stands behind a library's forecasts of GPU jobs."""
+
+    cases: list[CaseRecord]
+    setups: list[Setup]
+    model: TheoryModel
+
+    @property
+    def run_ids(self) -> set[str]:
+        return {c.run_id for c in self.cases}
+
+
+_PRIORS: dict[str, PriorLibrary] = {}
+PRIOR_CACHE_FORMAT = 1
+
+
+def prior_library(cases: Sequence[CaseRecord], cache_dir: str | os.PathLike | None = None) -> PriorLibrary:
+    """The prior made of ``cases`` (usable ones): their fitted theory, learned once per process (and kept in
+    ``cache_dir``/_prior_model.json where given)."""
+    usable = [c for c in cases if c.usable and case_step(c) is not None]
+    h = hashlib.sha256(json.dumps([PRIOR_CACHE_FORMAT, MODEL_CACHE_FORMAT, sorted((c.run_id, c.measured) for c in usable)],
+                                  sort_keys=True, default=str).encode()).hexdigest()
+    if h not in _PRIORS:
+        setups = [setup_from_case(c) for c in usable]
+        model = _cached_prior_model(h, usable, setups, cache_dir)
+        _PRIORS[h] = PriorLibrary(usable, setups, model)
+    return _PRIORS[h]
+
+
+def _cached_prior_model(key: str, cases: list[CaseRecord], setups: list[Setup], cache_dir: str | os.PathLike | None) -> TheoryModel:
+    path = Path(cache_dir) / "_prior_model.json" if cache_dir is not None else None
+    if path is not None and path.exists():
+        try:
+            stored = json.loads(path.read_text(encoding="utf-8"))
+            if stored.get("key") == key:
+                return TheoryModel(stored["coefficients"], stored["fitted_on"], {})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # a damaged cache is only a slower forecast
+    model = TheoryModel().fit(cases, setups=setups)
+    if path is not None and path.parent.is_dir() and os.access(path.parent, os.W_OK):
+        from rltune.contracts.schema import atomic_write_text
+
+        atomic_write_text(path, json.dumps({"key": key, "coefficients": model.coefficients, "fitted_on": model.fitted_on}))
+    return model
+
+
+def shipped_prior(cache_dir: str | os.PathLike | None = None) -> PriorLibrary:
+    """The public runs that install with rltune (:func:`rltune.predict.public.shipped_cases`) as a prior."""
+    from rltune.predict.public import shipped_cases
+
+    return prior_library(shipped_cases(), cache_dir)
 
 
 _LEARNED_CACHE: dict[str, tuple[TheoryModel, KnobEffects]] = {}
 _FIT_CACHE = _LEARNED_CACHE  # older name, still cleared by callers that want a cold start
 MODEL_CACHE_NAME = "_model.json"
 THEORY_CACHE_NAME = MODEL_CACHE_NAME
-MODEL_CACHE_FORMAT = 9  # bump when the fit or the effects change meaning: old caches are then refit
+MODEL_CACHE_FORMAT = 10  # bump when the fit or the effects change meaning: old caches are then refit
 
 
-def _learned_key(model: TheoryModel, cases: Sequence[CaseRecord], fit: bool) -> str:
+def _learned_key(model: TheoryModel, cases: Sequence[CaseRecord], fit: bool, prior: TheoryModel | None = None) -> str:
     from rltune.predict.theory import TERMS
 
     h = hashlib.sha256()
-    h.update(json.dumps([MODEL_CACHE_FORMAT, fit, model.coefficients, sorted((t.stage, t.name) for t in TERMS)], sort_keys=True).encode())
+    h.update(json.dumps([MODEL_CACHE_FORMAT, fit, model.coefficients, sorted((t.stage, t.name) for t in TERMS),
+                         prior.coefficients if prior is not None else None], sort_keys=True).encode())
     # A run id is in the library at most once with one content, so id, finish time and medians identify a case.
     h.update(json.dumps(sorted([c.run_id, c.finished_at, c.measured] for c in cases), sort_keys=True).encode())
     return h.hexdigest()
 
 
 def _learned(model: TheoryModel, cases: Sequence[CaseRecord], setups: Sequence[Setup], cache_dir: str | os.PathLike | None,
-             fit: bool) -> tuple[TheoryModel, KnobEffects]:
-    key = _learned_key(model, cases, fit)
+             fit: bool, prior: TheoryModel | None = None) -> tuple[TheoryModel, KnobEffects]:
+    key = _learned_key(model, cases, fit, prior)
     if key in _LEARNED_CACHE:
         return _LEARNED_CACHE[key]
     path = Path(cache_dir) / MODEL_CACHE_NAME if cache_dir is not None else None
@@ -312,7 +424,7 @@ def _learned(model: TheoryModel, cases: Sequence[CaseRecord], setups: Sequence[S
                 return learned
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass  # a damaged cache is only a slower forecast: learn again below and overwrite it
-    fitted = model.fit(cases, setups=setups) if fit else model
+    fitted = model.fit(cases, setups=setups, prior=prior) if fit else model
     learned = (fitted, knob_effects(cases, setups=setups))
     _LEARNED_CACHE[key] = learned
     if path is not None and os.access(path.parent, os.W_OK):
@@ -347,15 +459,11 @@ class _Estimate:
     weights: list[tuple[str, float, float]]  # run id, weight, distance
 
 
-def _case_stages(case: CaseRecord) -> dict[str, float]:
-    return measured_stages(case)
-
-
-def _overhead(case: CaseRecord) -> float:
+def _overhead(p: Prepared, index: int) -> float:
     """How the case's measured step relates to its stages combined by its RL mode."""
-    stages = _case_stages(case)
-    combined, _ = combine(case.rl_mode, stages["rollout"], stages["training"], stages["weight_sync"])
-    return case.step_s / combined if combined > 0 else 1.0
+    stages = p.stages[index]
+    combined, _ = combine(p.cases[index].rl_mode, stages["rollout"], stages["training"], stages["weight_sync"])
+    return p.steps[index] / combined if combined > 0 else 1.0
 
 
 def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool,
@@ -367,9 +475,9 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool,
     pass (:meth:`Prepared.remember_theory`) and calls again. Which setups are needed depends only
     on the settings and the measured effects, never on the times.
     """
-    case, setup = p.cases[index], p.setups[index]
-    stages = _case_stages(case)
-    step = case.step_s
+    setup = p.setups[index]
+    stages = dict(p.stages[index])
+    step = p.steps[index]
     var = 0.0
     uncertain: list[str] = []
     load = 0.0
@@ -526,26 +634,42 @@ def _anchor(p: Prepared, target: Setup, distances: np.ndarray) -> _Estimate | No
 
 
 def _similar(p: Prepared, target: Setup, distances: np.ndarray) -> _Estimate | None:
-    near = np.flatnonzero(distances <= MAX_SIMILAR_DISTANCE)
-    order = [int(i) for i in near[np.argsort(distances[near], kind="stable")][:MAX_SIMILAR_CASES]]
-    if not order:
+    """The nearest cases scaled to the target by theory, averaged by similarity (the seed's second method).
+
+    For a GPU job the public runs of the prior (:attr:`Prepared.prior`) join them, their distance
+    raised by :data:`PUBLIC_DISTANCE_PENALTY` (another project's job, on other software): where no run
+    of this library is within :data:`MAX_SIMILAR_DISTANCE`, the nearest public runs make the forecast
+    whatever their distance; where some are, a public run joins only if it is as near after the
+    penalty, and the library's own runs outweigh it.
+    """
+    pool = [(p, int(i), float(distances[i])) for i in np.flatnonzero(distances <= MAX_SIMILAR_DISTANCE)]
+    prior = p.prior if p.prior is not None and device_class(target.device) != "cpu" else None
+    if prior is not None and prior.cases:
+        public = prior.matrix.distances(target) + PUBLIC_DISTANCE_PENALTY
+        reach = MAX_SIMILAR_DISTANCE if pool else math.inf
+        pool += [(prior, int(i), float(public[i])) for i in np.flatnonzero(public <= reach)]
+    pool.sort(key=lambda x: x[2])
+    chosen = pool[:MAX_SIMILAR_CASES]
+    if not chosen:
         return None
-    scores = np.asarray([score(float(distances[i])) for i in order])
+    scores = np.asarray([score(d) for _, _, d in chosen])
+    # far public runs have scores that underflow: weigh them relative to the nearest
+    scores = np.asarray([score(d - chosen[0][2]) for _, _, d in chosen]) if scores.sum() <= 1e-300 else scores
     weights = scores / scores.sum()
     scaled = []
-    for i in order:
-        stages, step, var, uncertain, _load, _n = _adjust(p, i, target, use_theory_for_all=True)
+    for q, i, _ in chosen:
+        stages, step, var, uncertain, _load, _n = _adjust(q, i, target, use_theory_for_all=True)
         scaled.append((stages, step, var, uncertain))
     stages = {s: float(sum(w * x[0][s] for w, x in zip(weights, scaled, strict=True))) for s in STAGES}
     combined = combine(target.rl_mode, stages["rollout"], stages["training"], stages["weight_sync"])[0]
-    overhead = float(sum(w * _overhead(p.cases[i]) for w, i in zip(weights, order, strict=True)))
+    overhead = float(sum(w * _overhead(q, i) for w, (q, i, _) in zip(weights, chosen, strict=True)))
     step = combined * overhead
     spread = _log_spread([x[1] for x in scaled], weights)
     var = float(sum(w * x[2] for w, x in zip(weights, scaled, strict=True)))
-    nearest = float(distances[order[0]])
+    nearest = chosen[0][2]
     sigma = math.sqrt(p.effects.noise_for(target.identity()) ** 2 + spread ** 2 + var + (0.05 + 0.04 * nearest) ** 2)
     uncertain = sorted({u for w, x in zip(weights, scaled, strict=True) if w >= 0.1 for u in x[3]})
-    return _Estimate(stages, step, sigma, uncertain, [(p.cases[i].run_id, float(w), float(distances[i])) for w, i in zip(weights, order, strict=True)])
+    return _Estimate(stages, step, sigma, uncertain, [(q.cases[i].run_id, float(w), d) for w, (q, i, d) in zip(weights, chosen, strict=True)])
 
 
 def _log_spread(values: Sequence[float], weights: np.ndarray) -> float:
@@ -558,9 +682,9 @@ def forecast_prepared(p: Prepared, target: Setup, candidate: str = "baseline", o
     """Forecast one setup against a prepared library."""
     method = "theory"
     estimate = None
-    if p.cases:
-        distances = p.matrix.distances(target)
-        estimate = _anchor(p, target, distances)
+    if p.cases or p.prior is not None:
+        distances = p.matrix.distances(target) if p.cases else np.zeros(0)
+        estimate = _anchor(p, target, distances) if p.cases else None
         method = "anchor"
         if estimate is None:
             estimate = _similar(p, target, distances)

@@ -99,13 +99,16 @@ KV_BYTES_SCALE = 1.45
 BOUNDS = {"continuous_fill": (0.05, 1.0), "run_ahead_efficiency": (0.05, 1.0), "sandbox_overlap": (0.01, 1.0), "compile_factor": (0.05, 1.5),
           "prebuilt_factor": (0.01, 1.0),
           "delta_fraction": (0.001, 1.0), "padding_overhead": (0.01, 3.0), "checkpoint_overhead": (0.05, 1.5),
-          "lora_factor": (0.3, 1.2), "fp8_train_factor": (0.3, 1.2), "selective_overhead": (0.0, 1.0), "offload_overhead": (0.0, 2.0),
+          "lora_factor": (0.3, 1.2), "attention_factor": (0.1, 10.0), "fa3_attention_factor": (0.2, 1.5), "fp8_train_factor": (0.3, 1.2), "selective_overhead": (0.01, 1.0), "offload_overhead": (0.01, 2.0),
           **{f"gpu_speed_{name}": (0.2, 5.0) for name in GPU_DATASHEET},
           **{f"overlap_{mode}_{stage}": (0.5, 10.0) for mode in ("one_step_async", "fully_async") for stage in ("rollout", "training")}}
 FREE_RANGE = 1e4
 MAX_FIT_CASES = 300  # other coefficients may move this factor either way from their prior
 JOB_PRIOR_WEIGHT = 0.3  # pull of a job's own coefficients towards its device class's fitted ones (log space)
 MIN_JOB_FIT_CASES = 2  # a job gets its own coefficients once it has this many ok cases
+# Pull towards the priors in a class whose fit holds public runs: their step alone (one residual where a run of ours
+# gives three) must not let every coefficient wander; a prior good to a factor of about e against a residual of about 0.3.
+PUBLIC_PRIOR_WEIGHT = 0.3
 FIT_RUN_NOISE = 0.03  # run-to-run noise (log) every run carries beside its own step spread; see case_fit_weight
 SANDBOX_SOFT_MIN_POWER = 4.0
 BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "float32": 4.0, "bfloat16": 2.0}
@@ -213,7 +216,7 @@ def seq_len(f: Features) -> np.ndarray:
 
 def sequence_tokens(f: Features) -> np.ndarray:
     """Mean tokens of one trained sequence: what the source measured where it says, else the theory's ``seq_len``."""
-    return f.derived("sequence_tokens", lambda f: np.where(f.num("sequence_tokens", 0.0) > 0, f.num("sequence_tokens", 0.0),
+    return f.derived("sequence_tokens", lambda f: np.where(f.fact("sequence_tokens", 0.0) > 0, f.fact("sequence_tokens", 0.0),
                                                            seq_len(f)))
 
 
@@ -479,10 +482,15 @@ def register_term(stage: str, name: str, reads: Sequence[str], priors: dict[str,
     return term
 
 
+def attention_flops(f: Features) -> np.ndarray:
+    """FLOPs of attention over the sequence in one step: 6 x layers x hidden x sequence per token (the causal half
+    of QK^T and AV, forward and backward) -- what grows faster than the tokens as sequences lengthen."""
+    return f.derived("attention_flops", lambda f: train_tokens(f) * 6.0 * width_depth(f) * sequence_tokens(f))
+
+
 def training_flops(f: Features) -> np.ndarray:
-    """FLOPs of one step's forward and backward passes: 6 x active x tokens, plus attention over the sequence
-    (6 x layers x hidden x sequence per token: the causal half of QK^T and AV, forward and backward)."""
-    return f.derived("training_flops", lambda f: train_tokens(f) * (6.0 * active_params(f) + 6.0 * width_depth(f) * sequence_tokens(f)))
+    """FLOPs of one step's forward and backward passes: 6 x active x tokens, plus attention (:func:`attention_flops`)."""
+    return f.derived("training_flops", lambda f: train_tokens(f) * 6.0 * active_params(f) + attention_flops(f))
 
 
 def _training_compute(f: Features, c: dict[str, float]) -> np.ndarray:
@@ -495,7 +503,11 @@ def _training_compute(f: Features, c: dict[str, float]) -> np.ndarray:
     lora = 1.0 - (1.0 - c["lora_factor"]) * (f.num("lora_rank", 0.0) > 0)
     fp8 = 1.0 - (1.0 - c["fp8_train_factor"]) * f.equals("train_dtype", "fp8", "bf16")
     speed = trainer_devices(f) * flops_ratio(f) * gpu_speed(f, c)
-    return c["s_per_train_flop"] * training_flops(f) * padding * checkpoint * lora * fp8 / speed
+    # attention kernels run at their own share of the datasheet (FlashAttention-3 about 1.5-2x FlashAttention-2 on Hopper)
+    fa3 = np.asarray([k == "flash_attention_3" for k in f.text("attention_kernel", "")], dtype=float)
+    attention = attention_flops(f) * c["attention_factor"] * (1.0 - (1.0 - c["fa3_attention_factor"]) * fa3)
+    flops = train_tokens(f) * 6.0 * active_params(f) + attention
+    return c["s_per_train_flop"] * flops * padding * checkpoint * lora * fp8 / speed
 
 
 def _training_layout(f: Features, c: dict[str, float]) -> np.ndarray:
@@ -641,10 +653,10 @@ GPU_SPEED_PRIORS = {f"gpu_speed_{name}": (1.0, 1.0) for name in GPU_DATASHEET}
 TRAINING_READS = ("batch", "answer_cap_tokens", "context_limit_tokens", "active_params", "total_params", "gpus", "trainer_gpus",
                   "device", "sequence_tokens", "tokens_per_step", "workload")
 register_term("training", "compute", (*TRAINING_READS, "packing", "grad_checkpointing", "activation_checkpointing", "lora_rank",
-                                      "train_dtype"),
+                                      "train_dtype", "attention_kernel"),
               {"s_per_train_flop": (3e-11, 3e-15), "padding_overhead": (0.3, 0.3), "checkpoint_overhead": (0.33, 0.33),
                "selective_overhead": (0.1, 0.1), "offload_overhead": (0.15, 0.15), "lora_factor": (0.7, 0.7),
-               "fp8_train_factor": (0.75, 0.75), **GPU_SPEED_PRIORS},
+               "fp8_train_factor": (0.75, 0.75), "attention_factor": (1.0, 1.0), "fa3_attention_factor": (0.6, 0.6), **GPU_SPEED_PRIORS},
               _training_compute, "(6 x active + attention) x tokens / (trainer GPUs x datasheet FLOP/s), with padding, recompute, LoRA, fp8")
 register_term("training", "layout", (*TRAINING_READS, "trainer_tp", "trainer_pp", "trainer_cp", "trainer_ep", "micro_batch_size",
                                      "train_batch_samples"),
@@ -717,10 +729,21 @@ def overlap_slowdown(f: Features, c: dict[str, float], stage: str, own: dict[str
         return np.ones(f.n)
     alone = own[stage]
     overlapped = np.divide(np.minimum(alone, own[PARTNER[stage]]), alone, out=np.zeros(f.n), where=alone > 0)
+    overlapped = overlapped * shares_devices(f)
     factor = np.ones(f.n)
     for mode in OVERLAP_MODES:
         factor = factor + f.equals("rl_mode", mode, "sync") * (c[f"overlap_{mode}_{stage}"] - 1.0) * overlapped
     return factor
+
+
+def shares_devices(f: Features) -> np.ndarray:
+    """1 where rollout and training run on the same devices (a CPU's cores, one GPU, or GPUs the job says the trainer
+    and engines share), 0 where the job gives each its own GPUs: there the overlapped stages do not slow each other."""
+    def compute(f: Features) -> np.ndarray:
+        gpus = f.num("gpus", 0.0)
+        separate = np.asarray([s.get("colocated") is False for s in f._settings], dtype=bool) & (gpus > 1)
+        return np.where(separate, 0.0, 1.0)
+    return f.derived("shares_devices", compute)
 
 
 def device_class(device: str) -> str:
@@ -803,8 +826,9 @@ class TheoryModel:
         replace the physical priors of the classes it holds, as the start and the target of the
         weak pull: what this library's runs cannot tell stays where those runs put it, and the more
         runs the library holds, the less the prior weighs against them. A public run (measured by
-        another project, with its stages often unknown) is fitted with the class's coefficients and
-        never gets a job's own: its step, or whichever stages it published, enter the residuals.
+        another project, with its stages often unknown) enters the residuals with its step or
+        whichever stages it published; a class holding public runs pulls harder towards the priors
+        (:data:`PUBLIC_PRIOR_WEIGHT`).
         """
         fitted = TheoryModel(dict(self.coefficients), dict(self.fitted_on), dict(self.job_coefficients))
         groups: dict[str, list[tuple[CaseRecord, Setup]]] = {}
@@ -822,7 +846,8 @@ class TheoryModel:
             own = [key for key, rows in by_job.items() if len(rows) >= MIN_JOB_FIT_CASES and key not in public] if len(by_job) > 1 else []
             target = prior.coefficients_for(device) if prior is not None and cls in prior.coefficients else prior_coefficients(device)
             start = self.coefficients_for(device) if cls in self.coefficients else target
-            pooled, per_job = _fit_jobs(pairs, by_job, own, start, target, prior_weight,
+            weight = max(prior_weight, PUBLIC_PRIOR_WEIGHT) if public else prior_weight
+            pooled, per_job = _fit_jobs(pairs, by_job, own, start, target, weight,
                                         {key: self.job_coefficients[key] for key in own if key in self.job_coefficients})
             fitted.coefficients[cls] = pooled
             fitted.fitted_on[cls] = len(pairs)
