@@ -42,13 +42,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rltune.predict.effects import knob_effects
-from rltune.predict.forecast import PriorLibrary, forecast_prepared, prepare, shipped_prior
+from rltune.predict.forecast import PriorLibrary, forecast_prepared, prepare, resolve_prior
 from rltune.predict.library import CaseLibrary, as_cases
 from rltune.predict.setup import setup_from_case
 from rltune.predict.theory import (
     STAGE_COLUMN,
     TRAINER_ONLY_WORKLOAD,
     case_step,
+    device_class,
     known_stages,
     measured_stages,
 )
@@ -145,8 +146,8 @@ def evaluate(library: CaseLibrary | Sequence[CaseRecord] | str, *, theory: Theor
     install with rltune; None: none), as a user's forecasts have them.
     """
     lib = library if isinstance(library, CaseLibrary) else (CaseLibrary(library) if isinstance(library, (str, Path)) else None)
-    prior = _resolve_prior(prior)
     cases = as_cases(lib if lib is not None else list(library))
+    prior = _resolve_prior(prior, cases)
     cases = sorted(cases, key=lambda c: (c.started_at, c.run_id))
     rows: list[EvalRow] = []
     scored: list[ScoredForecast] = []
@@ -193,12 +194,10 @@ def evaluate(library: CaseLibrary | Sequence[CaseRecord] | str, *, theory: Theor
     )
 
 
-def _resolve_prior(prior: PriorLibrary | None | str) -> PriorLibrary | None:
-    if prior == "shipped":
-        return shipped_prior()
-    if isinstance(prior, str):
-        raise ValueError(f"prior must be a PriorLibrary, None or 'shipped', found {prior!r}")
-    return prior
+def _resolve_prior(prior: PriorLibrary | None | str, cases: Sequence[CaseRecord]) -> PriorLibrary | None:
+    """The prior for a library's forecasts: the shipped public runs only where some case is a GPU job."""
+    gpu = next((c.device for c in cases if device_class(c.device) != "cpu"), "cpu")
+    return resolve_prior(prior, gpu)
 
 
 RULES = ("before_start", "same_or_earlier", "same")
@@ -362,8 +361,8 @@ def evaluate_library(library: CaseLibrary | Sequence[CaseRecord] | str, *, rule:
     """
     lib = library if isinstance(library, CaseLibrary) else (CaseLibrary(library) if isinstance(library, (str, Path)) else None)
     everything = lib.load() if lib is not None else list(library)
-    prior = _resolve_prior(prior)
     cases = [c for c in everything if c.usable]
+    prior = _resolve_prior(prior, cases)
     if rule is None:
         rule = "same_or_earlier" if any(c.public for c in cases) else "before_start"
     order = release_order(cases)

@@ -67,6 +67,7 @@ from rltune.predict.setup import (
 )
 from rltune.predict.theory import (
     STAGES,
+    TRAINER_ONLY_WORKLOAD,
     TheoryModel,
     case_step,
     device_class,
@@ -271,22 +272,23 @@ def prepare(cases: Sequence[CaseRecord], theory: TheoryModel | None = None, *, f
     by a hash of the cases and of the code's cache format. Appending a case changes the key; the
     next forecast learns again.
 
-    ``prior`` (:func:`shipped_prior`): public runs that stand behind this library. Their fitted
-    theory is the start and the weak pull of this library's GPU fit (the library's own runs
-    outweigh it as they accumulate), and they are the similar runs of a GPU job this library has
-    no runs near (:func:`forecast_prepared`).
+    ``prior`` (:func:`shipped_prior`): public runs that stand behind this library: the similar runs
+    of a GPU job this library has no runs near, scaled to it by the theory fitted to them
+    (:func:`forecast_prepared`). The library's own fit never leans on them -- a small job's few runs
+    would otherwise inherit coefficients that 512-GPU jobs set -- so its own runs take over the
+    forecast as soon as they are near (anchors, and similar runs that outweigh the public ones).
     """
     ok = [c for c in cases if c.usable and case_step(c) is not None]
-    base = prior.model if prior is not None and theory is None else (theory or TheoryModel())
+    base = theory or TheoryModel()
     model = base
     setups = [setup_from_case(c) for c in ok]
     if ok:
-        model, effects = _learned(theory or TheoryModel(), ok, setups, cache_dir, fit, prior.model if prior is not None else None)
+        model, effects = _learned(base, ok, setups, cache_dir, fit)
     else:
         effects = knob_effects(ok)
     prepared = _prepared(ok, setups, model, effects, base, fit)
     if prior is not None and prior.cases:
-        prepared.prior = _prepared(prior.cases, prior.setups, model, effects, base, fit=False, pinned_from=ok)
+        prepared.prior = prior.prepared()
     return prepared
 
 
@@ -343,10 +345,18 @@ class PriorLibrary:
     cases: list[CaseRecord]
     setups: list[Setup]
     model: TheoryModel
+    _prepared: Prepared | None = None
 
     @property
     def run_ids(self) -> set[str]:
         return {c.run_id for c in self.cases}
+
+    def prepared(self) -> Prepared:
+        """The public runs made ready once: their fitted theory, and the changes their pairs measured (releases)."""
+        if self._prepared is None:
+            self._prepared = _prepared(self.cases, self.setups, self.model, knob_effects(self.cases, setups=self.setups),
+                                       TheoryModel(), fit=True)
+        return self._prepared
 
 
 _PRIORS: dict[str, PriorLibrary] = {}
@@ -397,20 +407,19 @@ THEORY_CACHE_NAME = MODEL_CACHE_NAME
 MODEL_CACHE_FORMAT = 10  # bump when the fit or the effects change meaning: old caches are then refit
 
 
-def _learned_key(model: TheoryModel, cases: Sequence[CaseRecord], fit: bool, prior: TheoryModel | None = None) -> str:
+def _learned_key(model: TheoryModel, cases: Sequence[CaseRecord], fit: bool) -> str:
     from rltune.predict.theory import TERMS
 
     h = hashlib.sha256()
-    h.update(json.dumps([MODEL_CACHE_FORMAT, fit, model.coefficients, sorted((t.stage, t.name) for t in TERMS),
-                         prior.coefficients if prior is not None else None], sort_keys=True).encode())
+    h.update(json.dumps([MODEL_CACHE_FORMAT, fit, model.coefficients, sorted((t.stage, t.name) for t in TERMS)], sort_keys=True).encode())
     # A run id is in the library at most once with one content, so id, finish time and medians identify a case.
     h.update(json.dumps(sorted([c.run_id, c.finished_at, c.measured] for c in cases), sort_keys=True).encode())
     return h.hexdigest()
 
 
 def _learned(model: TheoryModel, cases: Sequence[CaseRecord], setups: Sequence[Setup], cache_dir: str | os.PathLike | None,
-             fit: bool, prior: TheoryModel | None = None) -> tuple[TheoryModel, KnobEffects]:
-    key = _learned_key(model, cases, fit, prior)
+             fit: bool) -> tuple[TheoryModel, KnobEffects]:
+    key = _learned_key(model, cases, fit)
     if key in _LEARNED_CACHE:
         return _LEARNED_CACHE[key]
     path = Path(cache_dir) / MODEL_CACHE_NAME if cache_dir is not None else None
@@ -424,7 +433,7 @@ def _learned(model: TheoryModel, cases: Sequence[CaseRecord], setups: Sequence[S
                 return learned
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass  # a damaged cache is only a slower forecast: learn again below and overwrite it
-    fitted = model.fit(cases, setups=setups, prior=prior) if fit else model
+    fitted = model.fit(cases, setups=setups) if fit else model
     learned = (fitted, knob_effects(cases, setups=setups))
     _LEARNED_CACHE[key] = learned
     if path is not None and os.access(path.parent, os.W_OK):
@@ -496,10 +505,12 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool,
         effect = p.effects.lookup(name, a, b, identity)
         if use_theory_for_all and name in p.modelled:
             continue  # already scaled by theory(target) / theory(case)
-        if effect is not None and not effect.same_job and name in p.modelled:
+        if effect is not None and not effect.same_job and name in p.modelled and target.workload != TRAINER_ONLY_WORKLOAD:
             # Another job's ratios carry that job's mix of work (a decode-bound math rollout against a
             # sandbox-bound tool-use one); the theory, fitted to both jobs' runs, already learned the
-            # change in seconds and splits it by this job's own terms.
+            # change in seconds and splits it by this job's own terms. A trainer benchmark has one stage,
+            # so no mix: there another job's measured change is kept (the theory's term may miss the effect,
+            # as LoRA's that prices the skipped weight gradients and not the adapters' own kernels).
             effect = None
         if effect is not None:
             before = combine(current.rl_mode, *(stages[s] for s in STAGES))[0]
@@ -706,28 +717,52 @@ def forecast_prepared(p: Prepared, target: Setup, candidate: str = "baseline", o
     )
 
 
+def resolve_prior(prior: PriorLibrary | None | str, device: str, cache_dir: str | os.PathLike | None = None) -> PriorLibrary | None:
+    """``"shipped"`` -> the public runs rltune ships, but only for a job on GPUs (they say nothing of a CPU job, and a
+    CPU forecast never pays for reading them); a PriorLibrary or None as given."""
+    if prior == "shipped":
+        return shipped_prior(cache_dir) if device_class(device) != "cpu" else None
+    if isinstance(prior, str):
+        raise ValueError(f"prior must be a PriorLibrary, None or 'shipped', found {prior!r}")
+    return prior
+
+
+def _library_dir(library: Any) -> Path | None:
+    return library.path if isinstance(library, CaseLibrary) and library.path.is_dir() else None
+
+
 def forecast_setup(job: JobSpec, knobs: dict[str, Any], cases: CaseLibrary | Sequence[CaseRecord] | Prepared,
-                   *, theory: TheoryModel | None = None, candidate: str = "baseline") -> CandidateForecast:
-    """Forecast ``job`` run with ``knobs`` (merged over the job's baseline knobs)."""
-    p = cases if isinstance(cases, Prepared) else prepare(as_cases(cases if isinstance(cases, CaseLibrary) else list(cases)), theory,
-                                                          cache_dir=cases.path if isinstance(cases, CaseLibrary) else None)
+                   *, theory: TheoryModel | None = None, candidate: str = "baseline",
+                   prior: PriorLibrary | None | str = "shipped") -> CandidateForecast:
+    """Forecast ``job`` run with ``knobs`` (merged over the job's baseline knobs).
+
+    ``prior``: the public runs behind a GPU job's forecasts (see :func:`prepare`); ``"shipped"`` (default): those
+    that install with rltune, None: none.
+    """
+    p = cases if isinstance(cases, Prepared) else prepare(
+        as_cases(cases if isinstance(cases, CaseLibrary) else list(cases)), theory, cache_dir=_library_dir(cases),
+        prior=resolve_prior(prior, job.gpus.device, _library_dir(cases)))
     overrides = {k: v for k, v in knobs.items() if job.knobs.get(k) != v}
     return forecast_prepared(p, setup_from_job(job, knobs), candidate, overrides)
 
 
 def forecast_candidates(job: JobSpec, candidates: Candidates, library: CaseLibrary | Sequence[CaseRecord] | Prepared,
                         baseline_knobs: dict[str, Any] | None = None, *, theory: TheoryModel | None = None,
-                        job_path: str = "", candidates_file: str = "", library_path: str = "") -> Forecast:
+                        job_path: str = "", candidates_file: str = "", library_path: str = "",
+                        prior: PriorLibrary | None | str = "shipped") -> Forecast:
     """Forecast every candidate and the baseline beside them; rank them in the order to try them.
 
     Gains are against the baseline as the same library forecasts it -- which, when the library
     holds the baseline's own run (as ``auto`` and ``predict`` make sure), is its measured step.
     Candidates composed for another job are refused (``candidates_file`` names them in the message).
+    A GPU job's forecasts lean on the public runs rltune ships where the library has no runs near
+    (``prior``, see :func:`prepare`); each forecast names the runs it used, public ones by their
+    ``public/...`` run ids.
     """
     check_same_job(candidates_file or "candidates", candidates.job_name, job)
     p = library if isinstance(library, Prepared) else prepare(
-        as_cases(library if isinstance(library, CaseLibrary) else list(library)), theory,
-        cache_dir=library.path if isinstance(library, CaseLibrary) and library.path.is_dir() else None)
+        as_cases(library if isinstance(library, CaseLibrary) else list(library)), theory, cache_dir=_library_dir(library),
+        prior=resolve_prior(prior, job.gpus.device, _library_dir(library)))
     base_knobs = {**job.knobs, **(baseline_knobs if baseline_knobs is not None else candidates.baseline_knobs)}
     base_setup = setup_from_job(job, base_knobs)
     targets = [setup_from_job(job, {**base_knobs, **cand.overrides}) for cand in candidates.candidates]
@@ -785,5 +820,6 @@ def rank_key(fc: CandidateForecast) -> tuple:
     return (1, fc.step_s, fc.step_s, fc.candidate)
 
 
-__all__ = ["ANCHOR_UNCERTAINTY_BUDGET", "Prepared", "finish", "forecast_candidates", "forecast_prepared", "forecast_setup",
+__all__ = ["ANCHOR_UNCERTAINTY_BUDGET", "Prepared", "PriorLibrary", "case_times", "finish", "prior_library", "resolve_prior",
+           "shipped_prior", "forecast_candidates", "forecast_prepared", "forecast_setup",
            "group_seconds", "prepare", "range_calibration", "rank_key"]

@@ -808,8 +808,7 @@ class TheoryModel:
         both = self.stages_many([target, case])
         return {stage: float(v[0] / v[1]) if v[1] > 0 else 1.0 for stage, v in both.items()}
 
-    def fit(self, cases: Sequence[CaseRecord], prior_weight: float = 0.1, *, setups: Sequence[Setup] | None = None,
-            prior: TheoryModel | None = None) -> TheoryModel:
+    def fit(self, cases: Sequence[CaseRecord], prior_weight: float = 0.1, *, setups: Sequence[Setup] | None = None) -> TheoryModel:
         """A new model with coefficients fitted to the ok cases (least squares on log-times).
 
         One fit per device class. Where the class holds several jobs (:func:`job_key`), each job
@@ -822,13 +821,9 @@ class TheoryModel:
         precisely it measured its stages (:func:`case_fit_weight`). ``setups`` (``setup_from_case``
         of each case, in order) saves rebuilding them when the caller has them.
 
-        ``prior``: a model fitted to other runs (the public runs rltune ships) whose coefficients
-        replace the physical priors of the classes it holds, as the start and the target of the
-        weak pull: what this library's runs cannot tell stays where those runs put it, and the more
-        runs the library holds, the less the prior weighs against them. A public run (measured by
-        another project, with its stages often unknown) enters the residuals with its step or
-        whichever stages it published; a class holding public runs pulls harder towards the priors
-        (:data:`PUBLIC_PRIOR_WEIGHT`).
+        A public run (measured by another project, with its stages often unknown) enters the
+        residuals with its step or whichever stages it published; a class holding public runs pulls
+        harder towards the priors (:data:`PUBLIC_PRIOR_WEIGHT`).
         """
         fitted = TheoryModel(dict(self.coefficients), dict(self.fitted_on), dict(self.job_coefficients))
         groups: dict[str, list[tuple[CaseRecord, Setup]]] = {}
@@ -844,8 +839,8 @@ class TheoryModel:
                 by_job.setdefault(job_key(setup), []).append(i)
             public = {key for key, rows in by_job.items() if any(pairs[i][0].public for i in rows)}
             own = [key for key, rows in by_job.items() if len(rows) >= MIN_JOB_FIT_CASES and key not in public] if len(by_job) > 1 else []
-            target = prior.coefficients_for(device) if prior is not None and cls in prior.coefficients else prior_coefficients(device)
-            start = self.coefficients_for(device) if cls in self.coefficients else target
+            target = prior_coefficients(device)
+            start = self.coefficients_for(device)
             weight = max(prior_weight, PUBLIC_PRIOR_WEIGHT) if public else prior_weight
             pooled, per_job = _fit_jobs(pairs, by_job, own, start, target, weight,
                                         {key: self.job_coefficients[key] for key in own if key in self.job_coefficients})

@@ -150,3 +150,16 @@ def test_leave_one_out_uses_the_same_release_or_earlier_of_a_source_only():
     assert {c.release for c in later if c.source == v05.source} == {"v0.4", "v0.5"} and v05 not in later
     same = allowed_history(v05, cases, "same", order)
     assert {c.release for c in same if c.source == v05.source} == {"v0.5"}
+
+
+def test_a_gpu_jobs_first_forecast_names_the_shipped_public_runs_it_leaned_on():
+    from pathlib import Path
+
+    from rltune.contracts.job import load_job
+    from rltune.predict.forecast import forecast_setup
+
+    job = load_job(Path(__file__).resolve().parents[2] / "presets" / "h200-small-math-short.yaml")
+    first = forecast_setup(job, {}, [])
+    assert first.method == "similar" and first.cases and all(c.run_id.startswith("public/") for c in first.cases)
+    alone = forecast_setup(job, {}, [], prior=None)
+    assert alone.method == "theory" and not alone.cases
