@@ -61,7 +61,9 @@ def register(app: typer.Typer) -> None:
             chosen = rule or ("same_or_earlier" if public else "before_start")
             # an imported library holds the very runs rltune ships: never forecast them from themselves
             prior = None if (public or no_prior) else "shipped"
-            report = evaluate(lib, prior=prior) if chosen == "before_start" and not public else None
+            report = evaluate(cases, prior=prior) if chosen == "before_start" and not public else None
+            if report is not None:
+                report.skipped_files = [f"{path}: {reason}" for path, reason in lib.skipped]
             scores = report.scores if report is not None else evaluate_library(cases, rule=chosen, prior=prior)
             scores.library = str(library)
         if out is not None:

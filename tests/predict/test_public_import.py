@@ -186,3 +186,26 @@ def test_a_run_id_the_library_holds_with_other_content_refuses_the_whole_import(
     with pytest.raises(DuplicateCaseError, match=r"row 2 \(line 3\).*other content; nothing was imported"):
         import_public_runs(SHIPPED_DIR / "easyr1.csv", lib)
     assert _files(lib.path) == before
+
+
+def test_eval_of_an_imported_library_scores_each_case_from_the_others(tmp_path, capsys):
+    import json
+
+    rows = (SHIPPED_DIR / "easyr1.csv").read_text(encoding="utf-8").splitlines()
+    small = tmp_path / "easyr1-6.csv"
+    small.write_text("\n".join(rows[:7]) + "\n", encoding="utf-8")  # the header and six real rows (v0.3.0)
+    lib = tmp_path / "cases"
+    assert main(["library", "import", str(small), "--library", str(lib)]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--library", str(lib), "--out", str(tmp_path / "eval"), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)["scores"]
+    assert summary["rule"] == "same_or_earlier" and summary["prior"] is False  # never its own runs as a prior
+    step = summary["scores"]["EasyR1 assets/baselines.md"]["step"]
+    assert step["count"] == 6 and 0 <= step["within_10pct_count"] <= 6 and step["range_sharpness"] >= 1.0
+    body = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    forecasts = body["scores"]["rows"]
+    assert {r["run_id"] for r in forecasts} == {c.run_id for c in CaseLibrary(lib).load()}
+    for r in forecasts:
+        assert r["run_id"] not in r["cases"]  # leave one out: a case never forecasts itself
+        assert r["error_pct"] == pytest.approx(100 * (r["predicted"] - r["measured"]) / r["measured"], abs=1e-3)
+    assert (tmp_path / "eval" / "eval.png").is_file()
