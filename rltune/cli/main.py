@@ -20,7 +20,8 @@ import typer
 
 from rltune.errors import RltuneError
 
-COMMANDS = ("profile", "propose", "predict", "trial", "auto", "report", "reward_check", "eval", "sync_bench", "workload")
+COMMANDS = ("profile", "propose", "predict", "trial", "auto", "report", "reward_check", "eval", "sync_bench", "workload",
+            "library")
 
 app = typer.Typer(
     name="rltune",

@@ -129,3 +129,7 @@ def _print_table(result, min_gain: float) -> None:
         table.add_row(mark, f.candidate, f"{f.step_s:.3f}", f"{f.range_s[0]:.3f}-{f.range_s[1]:.3f}",
                       f"{f.gain_pct:+.1f}", f.limiting_stage, f.method, ", ".join(f.uncertain))
     console.print(table)
+    public = sorted({c.run_id for f in result.forecasts[:TABLE_ROWS] for c in f.cases if c.run_id.startswith("public/")})
+    if public:  # the library had no runs near: these forecasts stand on measurements other projects published
+        console.print(f"forecasts above lean on {len(public)} public runs (forecast.yaml names them with their weights): "
+                      f"{', '.join(public[:5])}{' ...' if len(public) > 5 else ''}", markup=False, highlight=False, soft_wrap=True)

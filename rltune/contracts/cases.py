@@ -17,6 +17,11 @@ Column families (the Parquet schema is the union of these):
   ``statistic`` null, hold medians);
 - ``forecast.<field>`` -- the forecast made before the run (null when none was made).
 
+Imported public runs (``origin: public``, :mod:`rltune.predict.public`) are cases too: the setup
+their source published, the times and throughput it published (what it lacks stays absent), and
+where it was published (``provenance``); a failed or self-contradicting one is kept with the
+reason in ``excluded`` and never used to fit or forecast.
+
 The file's key-value metadata carries ``rltune.schema_version`` and ``rltune.artifact=case``.
 :func:`read_case_file` validates all of this and raises a located
 :class:`~rltune.errors.ArtifactError`; the library reports and skips such a file, never uses it.
@@ -59,9 +64,17 @@ FIXED_COLUMNS: list[tuple[str, str, bool, str]] = [
     ("step_noise_frac", "float64", True, "robust relative spread of step_s over the measured steps (1.4826 MAD / median)"),
     ("source", "string", True, "log format the metrics came from"),
     ("statistic", "string", True, "how measured.* summarise the measured steps: 'mean' (null: 'median', cases written before means)"),
+    ("origin", "string", True, "where the measurement comes from: 'public' (imported from a public-runs CSV; started_at and "
+                               "finished_at are the measurement's time where the source gives one, else 0), null: a run rltune recorded"),
+    ("release", "string", True, "software release or commit the measurement belongs to (public runs; forecasts in an evaluation "
+                                "use only the same release or earlier ones)"),
+    ("provenance", "string", True, "JSON object: where an imported measurement was published (file, row, source, commit, "
+                                   "the row's settings and notes as published)"),
+    ("excluded", "string", True, "why the case is left out of fits and forecasts (a failed run, numbers that contradict each "
+                                 "other); null: the case is used"),
 ]
 FIXED_NAMES = [c[0] for c in FIXED_COLUMNS]
-OPTIONAL_COLUMNS = ("step_noise_frac", "source", "statistic")  # absent from files written before they existed
+OPTIONAL_COLUMNS = ("step_noise_frac", "source", "statistic", "origin", "release", "provenance", "excluded")  # absent from files written before they existed
 
 # Facts the theory model and the similarity distance read (name, kind, doc).
 FACT_COLUMNS: list[tuple[str, str, str]] = [
@@ -79,6 +92,11 @@ FACT_COLUMNS: list[tuple[str, str, str]] = [
     ("context_limit_tokens", "float64", "max tokens of a whole trial"),
     ("trainer_gpus", "float64", "GPUs of the trainer in the job's baseline"),
     ("rollout_gpus", "float64", "GPUs of the rollout engines in the job's baseline"),
+    ("sequence_tokens", "float64", "mean tokens of one training sequence (prompt + response; a packed sequence where samples "
+                                   "are packed), where the source states it"),
+    ("tokens_per_step", "float64", "tokens one step trains, where the source states it"),
+    ("samples_per_step", "float64", "samples one step generates and trains, where the source gives the total but not "
+                                    "tasks x trials"),
 ]
 FACT_KINDS = {name: kind for name, kind, _ in FACT_COLUMNS}
 
@@ -94,6 +112,9 @@ FORECAST_FIELDS: list[tuple[str, str, str]] = [
 ]
 FORECAST_KINDS = {name: kind for name, kind, _ in FORECAST_FIELDS}
 REQUIRED_MEASURED = ("step_s", "rollout_s", "training_s", "weight_sync_s")
+# An imported public run publishes what its source measured: at least one of these (the rest stays unknown).
+PUBLIC_MEASURES = ("step_s", "rollout_s", "training_s", "weight_sync_s", "tokens_per_s_per_gpu", "tokens_per_s_all_gpus")
+ORIGINS = ("public",)
 
 
 @dataclass
@@ -119,10 +140,24 @@ class CaseRecord:
     step_noise_frac: float | None = None
     source: str | None = None
     statistic: str | None = None
+    origin: str | None = None
+    release: str | None = None
+    provenance: dict[str, Any] | None = None
+    excluded: str | None = None
 
     @property
     def step_s(self) -> float:
         return float(self.measured["step_s"])
+
+    @property
+    def public(self) -> bool:
+        """Imported from a public-runs CSV (another project's measurement), not a run rltune recorded."""
+        return self.origin == "public"
+
+    @property
+    def usable(self) -> bool:
+        """An ok run that is not left out (``excluded``): the cases fits and forecasts use."""
+        return self.status == "ok" and not self.excluded
 
     def validate(self, where: str = "<case>") -> None:
         """Check the record's own rules; raise a located ArtifactError."""
@@ -145,7 +180,22 @@ class CaseRecord:
         for name, value in self.measured.items():
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
                 raise WrongTypeError(where, f"measured.{name}", f"expected a finite number, found {value!r}")
-        if self.status == "ok":
+        if self.origin is not None and self.origin not in ORIGINS:
+            raise WrongTypeError(where, "origin", f"expected null or one of {', '.join(ORIGINS)}, found {self.origin!r}")
+        if self.provenance is not None and not isinstance(self.provenance, dict):
+            raise WrongTypeError(where, "provenance", f"expected a JSON object, found {type(self.provenance).__name__}")
+        if self.excluded is not None and not (isinstance(self.excluded, str) and self.excluded.strip()):
+            raise WrongTypeError(where, "excluded", "expected the reason the case is left out (a non-empty text) or null")
+        if self.status == "ok" and self.public:
+            published = [name for name in PUBLIC_MEASURES if self.measured.get(name) is not None]
+            if not published:
+                raise MissingFieldError(where, "measured", f"an 'ok' public run needs one of {', '.join(PUBLIC_MEASURES)}")
+            for name in published:
+                if self.measured[name] < 0:
+                    raise WrongTypeError(where, f"measured.{name}", f"must not be negative, found {self.measured[name]}")
+            if "step_s" in published and self.measured["step_s"] <= 0:
+                raise WrongTypeError(where, "measured.step_s", "must be positive for an 'ok' run")
+        elif self.status == "ok":
             for name in REQUIRED_MEASURED:
                 value = self.measured.get(name)
                 if value is None or value < 0:
@@ -161,6 +211,7 @@ class CaseRecord:
 def record_to_row(record: CaseRecord) -> dict[str, Any]:
     """Flatten a record into one row of column -> value (knobs as JSON strings)."""
     row: dict[str, Any] = {name: getattr(record, name) for name in FIXED_NAMES}
+    row["provenance"] = None if record.provenance is None else json.dumps(record.provenance, sort_keys=True)
     for name, value in record.facts.items():
         row[f"fact.{name}"] = value if FACT_KINDS.get(name) == "string" else float(value)
     for name, value in record.knobs.items():
@@ -205,10 +256,13 @@ def row_to_record(row: dict[str, Any], where: str, *, json_memo: dict[str, Any] 
             forecast[name] = value
         else:
             raise WrongTypeError(where, column, "unknown column family; expected fact., knob., measured. or forecast.")
-    record = CaseRecord(
-        **{name: row.get(name) for name in FIXED_NAMES},
-        facts=facts, knobs=knobs, measured=measured, forecast=forecast or None,
-    )
+    fixed = {name: row.get(name) for name in FIXED_NAMES}
+    if fixed["provenance"] is not None:
+        try:
+            fixed["provenance"] = json.loads(fixed["provenance"])
+        except (TypeError, ValueError):
+            raise WrongTypeError(where, "provenance", f"expected a JSON object, found {fixed['provenance']!r}") from None
+    record = CaseRecord(**fixed, facts=facts, knobs=knobs, measured=measured, forecast=forecast or None)
     record.validate(where)
     return record
 
@@ -298,7 +352,7 @@ def describe_columns() -> str:
     lines += [f"| `{n}` | {k}{'' if nullable else ', required'} | {d} |" for n, k, nullable, d in FIXED_COLUMNS]
     lines += [f"| `fact.{n}` | {k} | {d} |" for n, k, d in FACT_COLUMNS]
     lines.append("| `knob.<name>` | string (JSON) | value of each abstract knob, e.g. `4`, `true`, `\"sync\"` |")
-    lines.append("| `measured.<column>` | float64 | mean over the measured steps of each stage-table column (median in cases whose `statistic` is null), and `step_median_s` (`step_s`, `rollout_s`, `training_s`, `weight_sync_s` required for ok runs) |")
+    lines.append("| `measured.<column>` | float64 | mean over the measured steps of each stage-table column (median in cases whose `statistic` is null), and `step_median_s` (`step_s`, `rollout_s`, `training_s`, `weight_sync_s` required for ok runs); an imported public run holds what its source published and nothing else: at least one of `step_s`, `rollout_s`, `training_s`, `weight_sync_s`, `tokens_per_s_per_gpu`, `tokens_per_s_all_gpus` |")
     lines += [f"| `forecast.{n}` | {k} | {d} (made before the run; null if none) |" for n, k, d in FORECAST_FIELDS]
     return "\n".join(lines)
 

@@ -22,6 +22,7 @@ TABLES = {
     "candidates": ("rltune.contracts.candidates", "Candidates"),
     "forecast": ("rltune.contracts.forecast", "Forecast"),
     "cases": ("rltune.contracts.cases", "describe_columns"),
+    "public_runs": ("rltune.contracts.public_runs", "describe_columns"),
     "verdict": ("rltune.contracts.verdict", "Verdict"),
     "reward_check": ("rltune.contracts.reward_check", "RewardCheck"),
     "learning_checks": ("rltune.contracts.learning", "LearningChecks"),

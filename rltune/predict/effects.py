@@ -9,6 +9,9 @@ returns the log-ratios for the change a -> b (same job preferred, then any job),
 ``elasticity(setting, identity)`` the median d log(time) / d log(value) of a numeric setting, for
 values no pair measured. :attr:`KnobEffects.repeat_noise` is the pooled run-to-run spread of the
 step (log space) from repeated setups, the noise floor of every forecast range.
+
+A public run whose source published only some stages (often the step alone) measured the change
+of those: a stage neither side of a pair published moves with the step the pair measured.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rltune.predict.setup import Setup, setup_from_case
-from rltune.predict.theory import measured_stages
+from rltune.predict.theory import case_step, known_stages
 
 if TYPE_CHECKING:
     from rltune.contracts.cases import CaseRecord
@@ -136,7 +139,7 @@ def knob_effects(cases: Sequence[CaseRecord], *, setups: Sequence[Setup] | None 
     settings_of: dict[tuple, dict[str, Any]] = {}
     context_of: dict[tuple, str] = {}
     for index, case in enumerate(cases):
-        if case.status != "ok":
+        if not case.usable or case_step(case) is None:
             continue
         setup = setups[index] if setups is not None else setup_from_case(case)
         settings = setup.settings()
@@ -149,9 +152,9 @@ def knob_effects(cases: Sequence[CaseRecord], *, setups: Sequence[Setup] | None 
     means: dict[tuple, dict[str, float]] = {}
     deviations: list[float] = []
     for full, members in groups.items():
-        values = [{**measured_stages(c), "step": c.step_s} for c in members]
-        logs = {m: [math.log(v[m] + EPS_S) for v in values] for m in MEASURES}
-        means[full] = {m: statistics.fmean(v) for m, v in logs.items()}
+        values = [{**known_stages(c), "step": case_step(c)} for c in members]
+        logs = {m: [math.log(v[m] + EPS_S) for v in values if v[m] is not None] for m in MEASURES}
+        means[full] = {m: statistics.fmean(v) if len(v) == len(values) else None for m, v in logs.items()}
         if len(members) > 1:
             step = logs["step"]
             centre = statistics.fmean(step)
@@ -171,7 +174,8 @@ def knob_effects(cases: Sequence[CaseRecord], *, setups: Sequence[Setup] | None 
         for i, x in enumerate(members):
             for y in members[i + 1:]:
                 a, b = settings_of[x].get(name), settings_of[y].get(name)
-                diff: dict[str, Any] = {m: means[y][m] - means[x][m] for m in MEASURES}
+                diff: dict[str, Any] = {m: means[y][m] - means[x][m] if means[y][m] is not None and means[x][m] is not None
+                                        else means[y]["step"] - means[x]["step"] for m in MEASURES}
                 back: dict[str, Any] = {m: -v for m, v in diff.items()}
                 diff["from"], back["from"] = context_of[x], context_of[y]
                 for job_key, sample in (((identity, name, _key(a), _key(b)), diff), ((identity, name, _key(b), _key(a)), back)):

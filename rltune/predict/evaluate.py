@@ -14,11 +14,27 @@ measured more than once (pooled, log space: :func:`rltune.predict.effects.knob_e
 a forecast with no error of its own would score against runs that noisy, were each run's noise
 independent -- its median |error| and its share within 10 %. That is the scale the figures above
 can be read against (runs close in time can share their noise, so a forecast may beat it).
+
+``evaluate_library(library, rule=...) -> LibraryScores`` is the same test in one report for any
+library, rltune's own or imported public runs: each usable case is forecast from the others a rule
+allows, and the report gives, per source and per measure (step, each published stage, and for a
+source that publishes only throughput, its tokens/s/GPU), the median |error|, the share within
+10 %, range coverage and range sharpness (the median of high / low). Rules:
+
+- ``before_start``: only the runs that finished before the case started (rltune's own runs, as
+  :func:`evaluate`);
+- ``same_or_earlier``: leave one out -- every other case, but of the case's own source only those of
+  the same release or an earlier one (software gets faster across releases);
+- ``same``: leave one out within the case's release only.
+
+A stage's range is the step's, relative: ``stage x range / step``. A throughput's forecast is
+``tokens_per_step / (training x GPUs)`` and its range the training range's, inverted.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -26,10 +42,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rltune.predict.effects import knob_effects
-from rltune.predict.forecast import forecast_prepared, prepare
+from rltune.predict.forecast import PriorLibrary, forecast_prepared, prepare, resolve_prior
 from rltune.predict.library import CaseLibrary, as_cases
 from rltune.predict.setup import setup_from_case
-from rltune.predict.theory import measured_stages
+from rltune.predict.theory import (
+    STAGE_COLUMN,
+    TRAINER_ONLY_WORKLOAD,
+    case_step,
+    device_class,
+    known_stages,
+    measured_stages,
+)
 
 if TYPE_CHECKING:
     from rltune.contracts.cases import CaseRecord
@@ -77,6 +100,8 @@ class EvalReport:
     repeat_groups: int = 0
     perfect_forecast_median_abs_error_pct: float | None = None
     perfect_forecast_within_10pct: float | None = None
+    # the same forecasts scored per measure, as :func:`evaluate_library` reports them (rule before_start)
+    scores: LibraryScores | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,6 +109,8 @@ class EvalReport:
     def summary(self) -> dict[str, Any]:
         out = self.to_dict()
         out.pop("rows")
+        if out.get("scores"):
+            out["scores"].pop("rows")
         return out
 
 
@@ -111,19 +138,27 @@ def perfect_forecast(sigma: float) -> tuple[float, float]:
     return (lo + hi) / 2, share_within(BAND)
 
 
-def evaluate(library: CaseLibrary | Sequence[CaseRecord] | str, *, theory: TheoryModel | None = None) -> EvalReport:
-    """Forecast each run from the runs finished before it started; see the module docstring."""
+def evaluate(library: CaseLibrary | Sequence[CaseRecord] | str, *, theory: TheoryModel | None = None,
+             prior: PriorLibrary | None | str = "shipped") -> EvalReport:
+    """Forecast each run from the runs finished before it started; see the module docstring.
+
+    ``prior``: the public runs that stand behind the forecasts of GPU jobs (``"shipped"``: those that
+    install with rltune; None: none), as a user's forecasts have them.
+    """
     lib = library if isinstance(library, CaseLibrary) else (CaseLibrary(library) if isinstance(library, (str, Path)) else None)
     cases = as_cases(lib if lib is not None else list(library))
+    prior = _resolve_prior(prior, cases)
     cases = sorted(cases, key=lambda c: (c.started_at, c.run_id))
     rows: list[EvalRow] = []
+    scored: list[ScoredForecast] = []
     without: list[str] = []
     for case in cases:
         history = [c for c in cases if c.finished_at <= case.started_at and c.run_id != case.run_id]
         if not history:
             without.append(case.run_id)
             continue
-        fc = forecast_prepared(prepare(history, theory), setup_from_case(case), case.run_id)
+        fc = forecast_prepared(prepare(history, theory, prior=prior), setup_from_case(case), case.run_id)
+        scored.extend(_scored(case, fc, len(history)))
         measured = case.step_s
         training = measured_stages(case)["training"]  # the trainer's whole time, as the forecast defines its training stage
         rows.append(EvalRow(
@@ -154,7 +189,207 @@ def evaluate(library: CaseLibrary | Sequence[CaseRecord] | str, *, theory: Theor
         repeat_noise_pct=round(100 * effects.repeat_noise, 4) if perfect else None, repeat_groups=effects.repeat_groups,
         perfect_forecast_median_abs_error_pct=round(100 * perfect[0], 4) if perfect else None,
         perfect_forecast_within_10pct=round(perfect[1], 4) if perfect else None,
+        scores=_library_scores(str(lib.path) if lib is not None else "", "before_start", prior is not None, len(cases), scored,
+                               [f"{r}: no earlier run to forecast it from" for r in without]),
     )
+
+
+def _resolve_prior(prior: PriorLibrary | None | str, cases: Sequence[CaseRecord]) -> PriorLibrary | None:
+    """The prior for a library's forecasts: the shipped public runs only where some case is a GPU job."""
+    gpu = next((c.device for c in cases if device_class(c.device) != "cpu"), "cpu")
+    return resolve_prior(prior, gpu)
+
+
+RULES = ("before_start", "same_or_earlier", "same")
+MEASURES = ("step", "rollout", "training", "weight_sync", "tokens_per_s_per_gpu")
+
+
+@dataclass
+class ScoredForecast:
+    """One forecast of one measure of a case, against what the case measured."""
+
+    run_id: str
+    source: str
+    release: str | None
+    workload: str
+    rl_mode: str
+    measure: str
+    method: str
+    history: int
+    predicted: float
+    measured: float
+    low: float
+    high: float
+    error_pct: float
+    in_range: bool
+    cases: list[str] = field(default_factory=list)  # the cases the forecast leaned on most (run ids, heaviest first)
+
+
+@dataclass
+class Score:
+    """The figures of a set of forecasts of one measure."""
+
+    count: int
+    median_abs_error_pct: float | None
+    within_10pct: float | None
+    within_10pct_count: int
+    range_coverage: float | None
+    range_sharpness: float | None  # median of high / low
+
+    @classmethod
+    def of(cls, rows: Sequence[ScoredForecast]) -> Score:
+        if not rows:
+            return cls(0, None, None, 0, None, None)
+        within = sum(1 for r in rows if abs(r.error_pct) <= 100 * BAND)
+        widths = [r.high / r.low for r in rows if r.low > 0]
+        return cls(len(rows), _median_abs([r.error_pct for r in rows]), round(within / len(rows), 4), within,
+                   round(sum(r.in_range for r in rows) / len(rows), 4), round(statistics.median(widths), 4) if widths else None)
+
+
+@dataclass
+class LibraryScores:
+    """What :func:`evaluate_library` measured: scores per source and measure ('all' pools the sources)."""
+
+    library: str
+    rule: str
+    prior: bool
+    runs: int
+    evaluated: int
+    scores: dict[str, dict[str, Score]] = field(default_factory=dict)
+    left_out: list[str] = field(default_factory=list)  # 'run id: why' for each case no forecast was scored on
+    rows: list[ScoredForecast] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> dict[str, Any]:
+        out = self.to_dict()
+        out.pop("rows")
+        return out
+
+
+def release_order(cases: Sequence[CaseRecord]) -> dict[tuple[str, str], tuple]:
+    """(source, release) -> a key that orders a source's releases: a version ('v0.5') by its numbers; a commit by the
+    latest time a measurement published at it was made (public cases hold it where the source gives one)."""
+    latest: dict[tuple[str, str], float] = {}
+    for c in cases:
+        if c.release is not None:
+            key = (c.source or "", c.release)
+            latest[key] = max(latest.get(key, 0.0), c.finished_at)
+    out = {}
+    for (source, release), when in latest.items():
+        version = re.fullmatch(r"v?(\d+(?:\.\d+)*)", release)
+        out[(source, release)] = (0, tuple(int(x) for x in version.group(1).split("."))) if version else (1, (when,))
+    return out
+
+
+def allowed_history(case: CaseRecord, others: Sequence[CaseRecord], rule: str, order: dict[tuple[str, str], tuple]) -> list[CaseRecord]:
+    """The cases ``rule`` lets forecast ``case`` (see the module docstring); never the case itself."""
+    if rule not in RULES:
+        raise ValueError(f"unknown rule {rule!r}; expected one of {', '.join(RULES)}")
+    if rule == "before_start":
+        return [c for c in others if c.finished_at <= case.started_at and c.run_id != case.run_id]
+    mine = order.get((case.source or "", case.release)) if case.release is not None else None
+    out = []
+    for c in others:
+        if c.run_id == case.run_id:
+            continue
+        if mine is not None and c.release is not None and (c.source or "") == (case.source or ""):
+            theirs = order[(c.source or "", c.release)]
+            if (theirs != mine) if rule == "same" else (theirs > mine or (theirs[0] != mine[0])):
+                continue
+        out.append(c)
+    return out
+
+
+def measured_values(case: CaseRecord) -> dict[str, float]:
+    """The measures a case can be scored on: its step and each stage it measured (published, for a public run); a
+    trainer benchmark's training alone (its step is its training); tokens/s/GPU where a source published only that."""
+    if not case.public:
+        stages = measured_stages(case)
+        return {"step": case.step_s, **{s: v for s, v in stages.items()}}
+    known = known_stages(case)
+    out: dict[str, float] = {}
+    if case.workload == TRAINER_ONLY_WORKLOAD:
+        published = any(case.measured.get(col) is not None for col in ("step_s", "training_s"))
+        if published and known["training"] is not None:
+            out["training"] = float(known["training"])
+        elif case.measured.get("tokens_per_s_per_gpu"):
+            out["tokens_per_s_per_gpu"] = float(case.measured["tokens_per_s_per_gpu"])
+        return out
+    step = case_step(case)
+    if step is not None:
+        out["step"] = step
+    for stage, column in STAGE_COLUMN.items():
+        if case.measured.get(column) is not None:
+            out[stage] = float(known[stage])
+    return out
+
+
+def _scored(case: CaseRecord, fc: Any, history: int) -> list[ScoredForecast]:
+    rows = []
+    rel_low, rel_high = (fc.range_s[0] / fc.step_s, fc.range_s[1] / fc.step_s) if fc.step_s > 0 else (1.0, 1.0)
+    for measure, measured in measured_values(case).items():
+        if measure == "step":
+            predicted, low, high = fc.step_s, fc.range_s[0], fc.range_s[1]
+        elif measure == "tokens_per_s_per_gpu":
+            training = fc.stages_s["training"]
+            tokens = float(case.facts["tokens_per_step"])
+            predicted = tokens / (training * case.gpus) if training > 0 else math.inf
+            low, high = predicted / rel_high, predicted / rel_low
+        else:
+            predicted = fc.stages_s[measure]
+            low, high = predicted * rel_low, predicted * rel_high
+        if measured <= 0:
+            continue
+        rows.append(ScoredForecast(
+            run_id=case.run_id, source=case.source or "", release=case.release, workload=case.workload, rl_mode=case.rl_mode,
+            measure=measure, method=fc.method, history=history, predicted=round(predicted, 6), measured=measured,
+            low=round(low, 6), high=round(high, 6), error_pct=round(100.0 * (predicted - measured) / measured, 4),
+            in_range=low <= measured <= high, cases=[c.run_id for c in sorted(fc.cases, key=lambda c: -c.weight)[:3]]))
+    return rows
+
+
+def evaluate_library(library: CaseLibrary | Sequence[CaseRecord] | str, *, rule: str | None = None,
+                     prior: PriorLibrary | None | str = None, theory: TheoryModel | None = None,
+                     only: Sequence[str] | None = None) -> LibraryScores:
+    """Forecast each usable case from the cases ``rule`` allows and score every measure it has (module docstring).
+
+    ``rule`` None: ``same_or_earlier`` for a library holding public runs, ``before_start`` for rltune's own.
+    ``prior``: public runs behind GPU forecasts (``"shipped"``, None). Never give a library the prior it came from:
+    its runs would forecast themselves. ``only``: score just these run ids (the rest still forecast them).
+    """
+    lib = library if isinstance(library, CaseLibrary) else (CaseLibrary(library) if isinstance(library, (str, Path)) else None)
+    everything = lib.load() if lib is not None else list(library)
+    cases = [c for c in everything if c.usable]
+    prior = _resolve_prior(prior, cases)
+    if rule is None:
+        rule = "same_or_earlier" if any(c.public for c in cases) else "before_start"
+    order = release_order(cases)
+    left_out = [f"{c.run_id}: {c.excluded or c.status}" for c in everything if not c.usable]
+    rows: list[ScoredForecast] = []
+    for case in sorted(cases, key=lambda c: (c.started_at, c.run_id)):
+        if only is not None and case.run_id not in only:
+            continue
+        if not measured_values(case):
+            left_out.append(f"{case.run_id}: no measure to score (no published step, stage or throughput with its tokens)")
+            continue
+        history = allowed_history(case, cases, rule, order)
+        if not any(case_step(c) is not None for c in history):
+            left_out.append(f"{case.run_id}: no case to forecast it from under the rule {rule}")
+            continue
+        fc = forecast_prepared(prepare(history, theory, prior=prior), setup_from_case(case), case.run_id)
+        rows.extend(_scored(case, fc, len(history)))
+    return _library_scores(str(lib.path) if lib is not None else "", rule, prior is not None, len(cases), rows, left_out)
+
+
+def _library_scores(library: str, rule: str, prior: bool, runs: int, rows: list[ScoredForecast], left_out: list[str]) -> LibraryScores:
+    scores: dict[str, dict[str, Score]] = {}
+    for source in sorted({r.source for r in rows}) + ["all"]:
+        subset = [r for r in rows if source in ("all", r.source)]
+        scores[source] = {m: Score.of([r for r in subset if r.measure == m]) for m in MEASURES if any(r.measure == m for r in subset)}
+    return LibraryScores(library=library, rule=rule, prior=prior, runs=runs, evaluated=len({r.run_id for r in rows}), scores=scores,
+                         left_out=left_out, rows=rows)
 
 
 def plot(report: EvalReport, path: str | Path) -> Path:
@@ -191,4 +426,5 @@ def plot(report: EvalReport, path: str | Path) -> Path:
     return path
 
 
-__all__ = ["EvalReport", "EvalRow", "evaluate", "plot"]
+__all__ = ["EvalReport", "EvalRow", "LibraryScores", "RULES", "Score", "ScoredForecast", "allowed_history", "evaluate",
+           "evaluate_library", "measured_values", "plot", "release_order"]

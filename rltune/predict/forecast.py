@@ -67,9 +67,11 @@ from rltune.predict.setup import (
 )
 from rltune.predict.theory import (
     STAGES,
+    TRAINER_ONLY_WORKLOAD,
     TheoryModel,
+    case_step,
     device_class,
-    measured_stages,
+    known_stages,
     median_error,
     modelled_settings,
     pinned_coefficients,
@@ -90,6 +92,7 @@ MAX_ANCHOR_CANDIDATES = 12
 MAX_SIMILAR_CASES = 8
 MAX_SIMILAR_DISTANCE = 8.0
 RANGE_Z = 1.645  # two-sided 90 % of a normal in log space, before calibration
+PUBLIC_DISTANCE_PENALTY = 4.0  # what a public run's distance carries: another project's job, on its software
 THEORY_ONLY_SIGMA = 0.5
 MIN_CALIBRATION_FORECASTS = 8
 RL_MODE_SHARED_DEVICE_SIGMA = 0.4
@@ -208,6 +211,13 @@ class Prepared:
     # theory.pinned_coefficients): what prices a value no case ran
     prior_theory: TheoryModel = field(default_factory=TheoryModel)
     stages_reading: dict[str, set[str]] = field(default_factory=dict)  # modelled setting -> the stages whose terms read it
+    # each case's stages and step as the forecast uses them: measured, and where a public run did not publish a stage,
+    # the theory's split of its measured step (:func:`case_times`)
+    stages: list[dict[str, float]] = field(default_factory=list)
+    steps: list[float] = field(default_factory=list)
+    # the public runs that stand behind forecasts of GPU jobs this library has no runs of (see :func:`forecast_prepared`),
+    # made ready with this library's theory and effects; None: no prior
+    prior: Prepared | None = None
     _theory_memo: dict | None = None
 
     def has_seen(self, device: str, name: str, value: Any) -> bool:
@@ -254,36 +264,147 @@ class Prepared:
 
 
 def prepare(cases: Sequence[CaseRecord], theory: TheoryModel | None = None, *, fit: bool = True,
-            cache_dir: str | os.PathLike | None = None) -> Prepared:
-    """Fit the theory to the ok cases (unless ``fit`` is False) and learn knob effects.
+            cache_dir: str | os.PathLike | None = None, prior: PriorLibrary | None = None) -> Prepared:
+    """Fit the theory to the usable cases (unless ``fit`` is False) and learn knob effects.
 
     Both depend only on the library's cases, so they are learned once per library: kept in
     memory, and -- given ``cache_dir`` (the library directory) -- in ``_model.json`` there, keyed
     by a hash of the cases and of the code's cache format. Appending a case changes the key; the
     next forecast learns again.
+
+    ``prior`` (:func:`shipped_prior`): public runs that stand behind this library: the similar runs
+    of a GPU job this library has no runs near, scaled to it by the theory fitted to them
+    (:func:`forecast_prepared`). The library's own fit never leans on them -- a small job's few runs
+    would otherwise inherit coefficients that 512-GPU jobs set -- so its own runs take over the
+    forecast as soon as they are near (anchors, and similar runs that outweigh the public ones).
     """
-    ok = [c for c in cases if c.status == "ok"]
-    model = theory or TheoryModel()
+    ok = [c for c in cases if c.usable and case_step(c) is not None]
+    base = theory or TheoryModel()
+    model = base
     setups = [setup_from_case(c) for c in ok]
     if ok:
-        model, effects = _learned(model, ok, setups, cache_dir, fit)
+        model, effects = _learned(base, ok, setups, cache_dir, fit)
     else:
         effects = knob_effects(ok)
+    prepared = _prepared(ok, setups, model, effects, base, fit)
+    if prior is not None and prior.cases:
+        prepared.prior = prior.prepared()
+    return prepared
+
+
+def _prepared(cases: list[CaseRecord], setups: list[Setup], model: TheoryModel, effects: KnobEffects, base: TheoryModel, fit: bool,
+              pinned_from: list[CaseRecord] | None = None) -> Prepared:
+    case_theory = model.stages_many(setups) if setups else {s: np.zeros(0) for s in STAGES}
+    times = [case_times(c, {s: float(case_theory[s][i]) for s in STAGES}) for i, c in enumerate(cases)]
+    pinned = pinned_coefficients(pinned_from if pinned_from is not None else cases)
     return Prepared(
-        cases=ok, setups=setups, theory=model, effects=effects,
-        case_theory=model.stages_many(setups) if setups else {s: np.zeros(0) for s in STAGES},
-        matrix=_SettingMatrix(setups), range_scale=range_calibration(ok), modelled=modelled_settings(),
+        cases=cases, setups=setups, theory=model, effects=effects, case_theory=case_theory,
+        matrix=_SettingMatrix(setups), range_scale=range_calibration(cases), modelled=modelled_settings(),
         seen={(device_class(s.device), name, repr(value)) for s in setups for name, value in s.settings().items()},
-        prior_theory=with_pinned(theory or TheoryModel(), model, pinned_coefficients(ok)) if ok and fit else (theory or TheoryModel()),
-        stages_reading=stages_reading(),
+        prior_theory=with_pinned(base, model, pinned) if (pinned_from or cases) and (fit or pinned_from is not None) else base,
+        stages_reading=stages_reading(), stages=[t[0] for t in times], steps=[t[1] for t in times],
     )
+
+
+def case_times(case: CaseRecord, theory: dict[str, float]) -> tuple[dict[str, float], float]:
+    """(stages, step) of a case as the forecast uses them.
+
+    A run rltune recorded measured all of them. A public run may have published the step alone (or
+    some stages): its unknown stages take the theory's split (``theory``, its stages under its own
+    setup), scaled by one factor so that the RL-mode rule gives back the step it measured -- the
+    measured step is kept, and a change that moves one stage moves it by as much as theory says.
+    """
+    known = known_stages(case)
+    step = case_step(case)
+    unknown = [s for s in STAGES if known[s] is None]
+    if not unknown:
+        stages = {s: float(known[s]) for s in STAGES}
+        return stages, float(step if step is not None else combine(case.rl_mode, *(stages[s] for s in STAGES))[0])
+
+    def filled(scale: float) -> dict[str, float]:
+        return {s: float(known[s]) if known[s] is not None else max(theory[s], 0.0) * scale for s in STAGES}
+
+    if step is None:
+        stages = filled(1.0)
+        return stages, combine(case.rl_mode, *(stages[s] for s in STAGES))[0]
+    lo, hi = 1e-6, 1e6
+    if combine(case.rl_mode, *filled(lo).values())[0] >= step:
+        return filled(0.0), step  # the published stages alone make the step: the unknown ones are (nearly) nothing
+    if combine(case.rl_mode, *filled(hi).values())[0] <= step:
+        return filled(hi), step
+    for _ in range(60):  # the rule grows with the scale: bisect in log space
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if combine(case.rl_mode, *filled(mid).values())[0] < step else (lo, mid)
+    return filled(math.sqrt(lo * hi)), step
+
+
+@dataclass
+class PriorLibrary:
+    """Public runs and the theory fitted to them: what stands behind a library's forecasts of GPU jobs."""
+
+    cases: list[CaseRecord]
+    setups: list[Setup]
+    model: TheoryModel
+    _prepared: Prepared | None = None
+
+    @property
+    def run_ids(self) -> set[str]:
+        return {c.run_id for c in self.cases}
+
+    def prepared(self) -> Prepared:
+        """The public runs made ready once: their fitted theory, and the changes their pairs measured (releases)."""
+        if self._prepared is None:
+            self._prepared = _prepared(self.cases, self.setups, self.model, knob_effects(self.cases, setups=self.setups),
+                                       TheoryModel(), fit=True)
+        return self._prepared
+
+
+_PRIORS: dict[str, PriorLibrary] = {}
+PRIOR_CACHE_FORMAT = 1
+
+
+def prior_library(cases: Sequence[CaseRecord], cache_dir: str | os.PathLike | None = None) -> PriorLibrary:
+    """The prior made of ``cases`` (usable ones): their fitted theory, learned once per process (and kept in
+    ``cache_dir``/_prior_model.json where given)."""
+    usable = [c for c in cases if c.usable and case_step(c) is not None]
+    h = hashlib.sha256(json.dumps([PRIOR_CACHE_FORMAT, MODEL_CACHE_FORMAT, sorted((c.run_id, c.measured) for c in usable)],
+                                  sort_keys=True, default=str).encode()).hexdigest()
+    if h not in _PRIORS:
+        setups = [setup_from_case(c) for c in usable]
+        model = _cached_prior_model(h, usable, setups, cache_dir)
+        _PRIORS[h] = PriorLibrary(usable, setups, model)
+    return _PRIORS[h]
+
+
+def _cached_prior_model(key: str, cases: list[CaseRecord], setups: list[Setup], cache_dir: str | os.PathLike | None) -> TheoryModel:
+    path = Path(cache_dir) / "_prior_model.json" if cache_dir is not None else None
+    if path is not None and path.exists():
+        try:
+            stored = json.loads(path.read_text(encoding="utf-8"))
+            if stored.get("key") == key:
+                return TheoryModel(stored["coefficients"], stored["fitted_on"], {})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # a damaged cache is only a slower forecast
+    model = TheoryModel().fit(cases, setups=setups)
+    if path is not None and path.parent.is_dir() and os.access(path.parent, os.W_OK):
+        from rltune.contracts.schema import atomic_write_text
+
+        atomic_write_text(path, json.dumps({"key": key, "coefficients": model.coefficients, "fitted_on": model.fitted_on}))
+    return model
+
+
+def shipped_prior(cache_dir: str | os.PathLike | None = None) -> PriorLibrary:
+    """The public runs that install with rltune (:func:`rltune.predict.public.shipped_cases`) as a prior."""
+    from rltune.predict.public import shipped_cases
+
+    return prior_library(shipped_cases(), cache_dir)
 
 
 _LEARNED_CACHE: dict[str, tuple[TheoryModel, KnobEffects]] = {}
 _FIT_CACHE = _LEARNED_CACHE  # older name, still cleared by callers that want a cold start
 MODEL_CACHE_NAME = "_model.json"
 THEORY_CACHE_NAME = MODEL_CACHE_NAME
-MODEL_CACHE_FORMAT = 9  # bump when the fit or the effects change meaning: old caches are then refit
+MODEL_CACHE_FORMAT = 10  # bump when the fit or the effects change meaning: old caches are then refit
 
 
 def _learned_key(model: TheoryModel, cases: Sequence[CaseRecord], fit: bool) -> str:
@@ -347,15 +468,11 @@ class _Estimate:
     weights: list[tuple[str, float, float]]  # run id, weight, distance
 
 
-def _case_stages(case: CaseRecord) -> dict[str, float]:
-    return measured_stages(case)
-
-
-def _overhead(case: CaseRecord) -> float:
+def _overhead(p: Prepared, index: int) -> float:
     """How the case's measured step relates to its stages combined by its RL mode."""
-    stages = _case_stages(case)
-    combined, _ = combine(case.rl_mode, stages["rollout"], stages["training"], stages["weight_sync"])
-    return case.step_s / combined if combined > 0 else 1.0
+    stages = p.stages[index]
+    combined, _ = combine(p.cases[index].rl_mode, stages["rollout"], stages["training"], stages["weight_sync"])
+    return p.steps[index] / combined if combined > 0 else 1.0
 
 
 def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool,
@@ -367,9 +484,9 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool,
     pass (:meth:`Prepared.remember_theory`) and calls again. Which setups are needed depends only
     on the settings and the measured effects, never on the times.
     """
-    case, setup = p.cases[index], p.setups[index]
-    stages = _case_stages(case)
-    step = case.step_s
+    setup = p.setups[index]
+    stages = dict(p.stages[index])
+    step = p.steps[index]
     var = 0.0
     uncertain: list[str] = []
     load = 0.0
@@ -388,10 +505,12 @@ def _adjust(p: Prepared, index: int, target: Setup, *, use_theory_for_all: bool,
         effect = p.effects.lookup(name, a, b, identity)
         if use_theory_for_all and name in p.modelled:
             continue  # already scaled by theory(target) / theory(case)
-        if effect is not None and not effect.same_job and name in p.modelled:
+        if effect is not None and not effect.same_job and name in p.modelled and target.workload != TRAINER_ONLY_WORKLOAD:
             # Another job's ratios carry that job's mix of work (a decode-bound math rollout against a
             # sandbox-bound tool-use one); the theory, fitted to both jobs' runs, already learned the
-            # change in seconds and splits it by this job's own terms.
+            # change in seconds and splits it by this job's own terms. A trainer benchmark has one stage,
+            # so no mix: there another job's measured change is kept (the theory's term may miss the effect,
+            # as LoRA's that prices the skipped weight gradients and not the adapters' own kernels).
             effect = None
         if effect is not None:
             before = combine(current.rl_mode, *(stages[s] for s in STAGES))[0]
@@ -526,26 +645,42 @@ def _anchor(p: Prepared, target: Setup, distances: np.ndarray) -> _Estimate | No
 
 
 def _similar(p: Prepared, target: Setup, distances: np.ndarray) -> _Estimate | None:
-    near = np.flatnonzero(distances <= MAX_SIMILAR_DISTANCE)
-    order = [int(i) for i in near[np.argsort(distances[near], kind="stable")][:MAX_SIMILAR_CASES]]
-    if not order:
+    """The nearest cases scaled to the target by theory, averaged by similarity (the seed's second method).
+
+    For a GPU job the public runs of the prior (:attr:`Prepared.prior`) join them, their distance
+    raised by :data:`PUBLIC_DISTANCE_PENALTY` (another project's job, on other software): where no run
+    of this library is within :data:`MAX_SIMILAR_DISTANCE`, the nearest public runs make the forecast
+    whatever their distance; where some are, a public run joins only if it is as near after the
+    penalty, and the library's own runs outweigh it.
+    """
+    pool = [(p, int(i), float(distances[i])) for i in np.flatnonzero(distances <= MAX_SIMILAR_DISTANCE)]
+    prior = p.prior if p.prior is not None and device_class(target.device) != "cpu" else None
+    if prior is not None and prior.cases:
+        public = prior.matrix.distances(target) + PUBLIC_DISTANCE_PENALTY
+        reach = MAX_SIMILAR_DISTANCE if pool else math.inf
+        pool += [(prior, int(i), float(public[i])) for i in np.flatnonzero(public <= reach)]
+    pool.sort(key=lambda x: x[2])
+    chosen = pool[:MAX_SIMILAR_CASES]
+    if not chosen:
         return None
-    scores = np.asarray([score(float(distances[i])) for i in order])
+    scores = np.asarray([score(d) for _, _, d in chosen])
+    # far public runs have scores that underflow: weigh them relative to the nearest
+    scores = np.asarray([score(d - chosen[0][2]) for _, _, d in chosen]) if scores.sum() <= 1e-300 else scores
     weights = scores / scores.sum()
     scaled = []
-    for i in order:
-        stages, step, var, uncertain, _load, _n = _adjust(p, i, target, use_theory_for_all=True)
+    for q, i, _ in chosen:
+        stages, step, var, uncertain, _load, _n = _adjust(q, i, target, use_theory_for_all=True)
         scaled.append((stages, step, var, uncertain))
     stages = {s: float(sum(w * x[0][s] for w, x in zip(weights, scaled, strict=True))) for s in STAGES}
     combined = combine(target.rl_mode, stages["rollout"], stages["training"], stages["weight_sync"])[0]
-    overhead = float(sum(w * _overhead(p.cases[i]) for w, i in zip(weights, order, strict=True)))
+    overhead = float(sum(w * _overhead(q, i) for w, (q, i, _) in zip(weights, chosen, strict=True)))
     step = combined * overhead
     spread = _log_spread([x[1] for x in scaled], weights)
     var = float(sum(w * x[2] for w, x in zip(weights, scaled, strict=True)))
-    nearest = float(distances[order[0]])
+    nearest = chosen[0][2]
     sigma = math.sqrt(p.effects.noise_for(target.identity()) ** 2 + spread ** 2 + var + (0.05 + 0.04 * nearest) ** 2)
     uncertain = sorted({u for w, x in zip(weights, scaled, strict=True) if w >= 0.1 for u in x[3]})
-    return _Estimate(stages, step, sigma, uncertain, [(p.cases[i].run_id, float(w), float(distances[i])) for w, i in zip(weights, order, strict=True)])
+    return _Estimate(stages, step, sigma, uncertain, [(q.cases[i].run_id, float(w), d) for w, (q, i, d) in zip(weights, chosen, strict=True)])
 
 
 def _log_spread(values: Sequence[float], weights: np.ndarray) -> float:
@@ -558,9 +693,9 @@ def forecast_prepared(p: Prepared, target: Setup, candidate: str = "baseline", o
     """Forecast one setup against a prepared library."""
     method = "theory"
     estimate = None
-    if p.cases:
-        distances = p.matrix.distances(target)
-        estimate = _anchor(p, target, distances)
+    if p.cases or p.prior is not None:
+        distances = p.matrix.distances(target) if p.cases else np.zeros(0)
+        estimate = _anchor(p, target, distances) if p.cases else None
         method = "anchor"
         if estimate is None:
             estimate = _similar(p, target, distances)
@@ -582,28 +717,52 @@ def forecast_prepared(p: Prepared, target: Setup, candidate: str = "baseline", o
     )
 
 
+def resolve_prior(prior: PriorLibrary | None | str, device: str, cache_dir: str | os.PathLike | None = None) -> PriorLibrary | None:
+    """``"shipped"`` -> the public runs rltune ships, but only for a job on GPUs (they say nothing of a CPU job, and a
+    CPU forecast never pays for reading them); a PriorLibrary or None as given."""
+    if prior == "shipped":
+        return shipped_prior(cache_dir) if device_class(device) != "cpu" else None
+    if isinstance(prior, str):
+        raise ValueError(f"prior must be a PriorLibrary, None or 'shipped', found {prior!r}")
+    return prior
+
+
+def _library_dir(library: Any) -> Path | None:
+    return library.path if isinstance(library, CaseLibrary) and library.path.is_dir() else None
+
+
 def forecast_setup(job: JobSpec, knobs: dict[str, Any], cases: CaseLibrary | Sequence[CaseRecord] | Prepared,
-                   *, theory: TheoryModel | None = None, candidate: str = "baseline") -> CandidateForecast:
-    """Forecast ``job`` run with ``knobs`` (merged over the job's baseline knobs)."""
-    p = cases if isinstance(cases, Prepared) else prepare(as_cases(cases if isinstance(cases, CaseLibrary) else list(cases)), theory,
-                                                          cache_dir=cases.path if isinstance(cases, CaseLibrary) else None)
+                   *, theory: TheoryModel | None = None, candidate: str = "baseline",
+                   prior: PriorLibrary | None | str = "shipped") -> CandidateForecast:
+    """Forecast ``job`` run with ``knobs`` (merged over the job's baseline knobs).
+
+    ``prior``: the public runs behind a GPU job's forecasts (see :func:`prepare`); ``"shipped"`` (default): those
+    that install with rltune, None: none.
+    """
+    p = cases if isinstance(cases, Prepared) else prepare(
+        as_cases(cases if isinstance(cases, CaseLibrary) else list(cases)), theory, cache_dir=_library_dir(cases),
+        prior=resolve_prior(prior, job.gpus.device, _library_dir(cases)))
     overrides = {k: v for k, v in knobs.items() if job.knobs.get(k) != v}
     return forecast_prepared(p, setup_from_job(job, knobs), candidate, overrides)
 
 
 def forecast_candidates(job: JobSpec, candidates: Candidates, library: CaseLibrary | Sequence[CaseRecord] | Prepared,
                         baseline_knobs: dict[str, Any] | None = None, *, theory: TheoryModel | None = None,
-                        job_path: str = "", candidates_file: str = "", library_path: str = "") -> Forecast:
+                        job_path: str = "", candidates_file: str = "", library_path: str = "",
+                        prior: PriorLibrary | None | str = "shipped") -> Forecast:
     """Forecast every candidate and the baseline beside them; rank them in the order to try them.
 
     Gains are against the baseline as the same library forecasts it -- which, when the library
     holds the baseline's own run (as ``auto`` and ``predict`` make sure), is its measured step.
     Candidates composed for another job are refused (``candidates_file`` names them in the message).
+    A GPU job's forecasts lean on the public runs rltune ships where the library has no runs near
+    (``prior``, see :func:`prepare`); each forecast names the runs it used, public ones by their
+    ``public/...`` run ids.
     """
     check_same_job(candidates_file or "candidates", candidates.job_name, job)
     p = library if isinstance(library, Prepared) else prepare(
-        as_cases(library if isinstance(library, CaseLibrary) else list(library)), theory,
-        cache_dir=library.path if isinstance(library, CaseLibrary) and library.path.is_dir() else None)
+        as_cases(library if isinstance(library, CaseLibrary) else list(library)), theory, cache_dir=_library_dir(library),
+        prior=resolve_prior(prior, job.gpus.device, _library_dir(library)))
     base_knobs = {**job.knobs, **(baseline_knobs if baseline_knobs is not None else candidates.baseline_knobs)}
     base_setup = setup_from_job(job, base_knobs)
     targets = [setup_from_job(job, {**base_knobs, **cand.overrides}) for cand in candidates.candidates]
@@ -661,5 +820,6 @@ def rank_key(fc: CandidateForecast) -> tuple:
     return (1, fc.step_s, fc.step_s, fc.candidate)
 
 
-__all__ = ["ANCHOR_UNCERTAINTY_BUDGET", "Prepared", "finish", "forecast_candidates", "forecast_prepared", "forecast_setup",
+__all__ = ["ANCHOR_UNCERTAINTY_BUDGET", "Prepared", "PriorLibrary", "case_times", "finish", "prior_library", "resolve_prior",
+           "shipped_prior", "forecast_candidates", "forecast_prepared", "forecast_setup",
            "group_seconds", "prepare", "range_calibration", "rank_key"]

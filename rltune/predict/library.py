@@ -366,12 +366,12 @@ def _source(table: pa.Table) -> str | None:
 
 
 def as_cases(library: CaseLibrary | list[CaseRecord] | str | os.PathLike) -> list[CaseRecord]:
-    """Accept a library, a path or a list; return the usable (ok) cases."""
+    """Accept a library, a path or a list; return the usable cases (ok, and not left out: ``CaseRecord.usable``)."""
     if isinstance(library, list):
-        return [c for c in library if c.status == "ok"]
+        return [c for c in library if c.usable]
     if not isinstance(library, CaseLibrary):
         library = CaseLibrary(library)
-    return library.load(statuses=("ok",))
+    return [c for c in library.load(statuses=("ok",)) if c.usable]
 
 
 __all__ = ["CaseDataError", "CaseLibrary", "CorruptCaseError", "CorruptCaseWarning", "DuplicateCaseError", "LibraryMissingError", "as_cases",

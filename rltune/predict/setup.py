@@ -64,6 +64,21 @@ SETTING_WEIGHTS: dict[str, tuple[str, float]] = {
     "sandbox_hosts": ("num", 0.3),
     "session_server_workers": ("num", 0.2),
     "dynamic_batching": ("cat", 0.3),
+    # the layout and software of large jobs (imported public runs name them)
+    "trainer_pp": ("num", 0.3),
+    "trainer_cp": ("num", 0.3),
+    "trainer_ep": ("num", 0.3),
+    "trainer_dp": ("num", 0.3),
+    "colocated": ("cat", 0.6),
+    "train_dtype": ("cat", 0.6),
+    "train_batch_samples": ("num", 0.3),
+    "tokens_per_step": ("num", 0.5),
+    "lora_rank": ("cat", 0.5),
+    "activation_checkpointing": ("cat", 0.3),
+    "attention_kernel": ("cat", 0.3),
+    "objective": ("cat", 0.6),
+    "algorithm": ("cat", 1.0),
+    "release": ("cat", 0.5),
 }
 DEFAULT_CATEGORICAL_WEIGHT = 0.5
 DEFAULT_NUMERIC_WEIGHT = 0.3
@@ -100,7 +115,12 @@ class Setup:
         out: dict[str, Any] = {"model": self.model, "workload": self.workload, "device": self.device, "gpus": self.gpus}
         if "tasks_per_batch" in facts and "trials_per_task" in facts:
             out["batch"] = facts["tasks_per_batch"] * facts["trials_per_task"]
-        for name in ("trials_per_task", "answer_cap_tokens", "context_limit_tokens", "active_params", "total_params", "model_dtype"):
+        elif "samples_per_step" in facts:
+            out["batch"] = facts["samples_per_step"]
+        # a source's measured mean sequence length (``sequence_tokens``) is a fact the theory reads, not a setting: it moves a
+        # little from run to run, and as a setting it would keep two releases of one setup from forming a measured pair
+        for name in ("trials_per_task", "answer_cap_tokens", "context_limit_tokens", "active_params", "total_params", "model_dtype",
+                     "tokens_per_step"):
             if name in facts:
                 out[name] = facts[name]
         for name, value in self.knobs.items():
@@ -137,7 +157,9 @@ class Setup:
         if name in self.knobs or name not in ("model", "workload", "device", "gpus", "batch", *self.facts):
             return self.with_knobs(**{name: value})
         new = Setup(self.job, self.model, self.workload, self.device, self.gpus, dict(self.facts), dict(self.knobs))
-        if name == "batch":
+        if name == "batch" and "samples_per_step" in new.facts and "trials_per_task" not in new.facts:
+            new.facts["samples_per_step"] = value
+        elif name == "batch":
             new.facts["tasks_per_batch"] = value / new.facts.get("trials_per_task", 1)
         elif name in ("model", "workload", "device", "gpus"):
             setattr(new, name, value)
@@ -152,8 +174,11 @@ def setup_from_job(job: JobSpec, knobs: dict[str, Any] | None = None) -> Setup:
 
 
 def setup_from_case(case: CaseRecord) -> Setup:
-    return Setup(case.job, case.model, case.workload, case.device, case.gpus, dict(case.facts),
-                 {**case.knobs, "rl_mode": case.rl_mode})
+    """The case's setup; an imported public run's release is one of its settings (runs of two releases differ in it)."""
+    knobs = {**case.knobs, "rl_mode": case.rl_mode}
+    if case.release is not None:
+        knobs["release"] = case.release
+    return Setup(case.job, case.model, case.workload, case.device, case.gpus, dict(case.facts), knobs)
 
 
 def setting_weight(name: str, value: Any) -> tuple[str, float]:

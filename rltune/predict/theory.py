@@ -62,16 +62,53 @@ if TYPE_CHECKING:
 STAGES = ("rollout", "training", "weight_sync")
 STAGE_COLUMN = {"rollout": "rollout_s", "training": "training_s", "weight_sync": "weight_sync_s"}
 EPS_S = 1e-3  # seconds added before taking logs: a stage measured as 0 must not dominate the fit
-GPU_MEMORY_BYTES = {"H100": 80e9, "H200": 141e9, "B200": 180e9, "B300": 288e9, "A100": 80e9}
+# Datasheet figures per GPU type: (dense bf16 FLOP/s, dense fp8 FLOP/s, HBM bytes/s, memory bytes, scale-up link bytes/s
+# per direction, GPUs in one scale-up domain). They enter the terms as ratios to the reference GPU's (the H200's, the
+# card the GPU priors were set on), each type times a fitted factor (``gpu_speed_<type>``, prior 1): a GPU the library
+# has seen once is priced by its datasheet, refined by that run. A type not listed is priced as the reference.
+GPU_DATASHEET: dict[str, tuple[float, float, float, float, float, int]] = {
+    "H100": (989e12, 1979e12, 3.35e12, 80e9, 450e9, 8),
+    "H100-HBM2e": (989e12, 1979e12, 3.35e12, 96e9, 450e9, 8),  # a 500 W HBM2e part: H100's figures, its factor refines them
+    "H800": (989e12, 1979e12, 3.35e12, 80e9, 200e9, 8),
+    "H200": (989e12, 1979e12, 4.8e12, 141e9, 450e9, 8),
+    "H20": (148e12, 296e12, 4.0e12, 96e9, 450e9, 8),
+    "B200": (2.25e15, 4.5e15, 8.0e12, 180e9, 900e9, 8),
+    "B300": (2.25e15, 4.5e15, 8.0e12, 288e9, 900e9, 8),
+    "GB200": (2.5e15, 5.0e15, 8.0e12, 186e9, 900e9, 72),
+    "GB300": (2.5e15, 5.0e15, 8.0e12, 288e9, 900e9, 72),
+    "A100": (312e12, 312e12, 2.04e12, 80e9, 300e9, 8),
+    "A800": (312e12, 312e12, 2.04e12, 80e9, 200e9, 8),
+    "L40S": (362e12, 733e12, 0.864e12, 48e9, 32e9, 1),
+    "L20": (119.5e12, 239e12, 0.864e12, 48e9, 32e9, 1),
+    "A6000": (154.8e12, 154.8e12, 0.768e12, 48e9, 32e9, 1),
+    "MI300X": (1307e12, 2615e12, 5.3e12, 192e9, 448e9, 8),
+}
+REFERENCE_GPU = "H200"
+INTER_NODE_BYTES_PER_S = 50e9  # one GPU's share of the network between scale-up domains (400 Gb/s per GPU)
+GPU_MEMORY_BYTES = {name: sheet[3] for name, sheet in GPU_DATASHEET.items()}
+DEFAULT_GPU_CONCURRENCY = 256.0  # sequences an engine on a GPU decodes at once where the job does not say (vLLM's max_num_seqs)
+TRAINER_ONLY_WORKLOAD = "trainer_only"  # a trainer benchmark: no rollout, no weight sync (imported public runs)
+SANDBOXED_WORKLOADS = ("tool_use", "coding")  # trials that run in sandboxes, over several model turns
+# layers x hidden of a model whose shape is not given, from its active parameters: the fit over dense Llama-3 shapes
+# (8 B: 32 x 4096, 70 B: 80 x 8192, 405 B: 126 x 16384); it prices attention's share, which grows with the sequence.
+WIDTH_DEPTH_SCALE, WIDTH_DEPTH_POWER = 0.0147, 0.702
+# key/value cache bytes per token of a model whose shape is not given: 1.45 x sqrt(active params) fits grouped-query
+# models from 3 B to 32 B active (Llama 3.1 8B: 131 kB, Qwen3-32B: 262 kB, Qwen3-235B-A22B: 192 kB in bf16)
+KV_BYTES_SCALE = 1.45
 # Coefficients that are fractions or factors of a physical quantity keep their meaning while fitted.
 BOUNDS = {"continuous_fill": (0.05, 1.0), "run_ahead_efficiency": (0.05, 1.0), "sandbox_overlap": (0.01, 1.0), "compile_factor": (0.05, 1.5),
           "prebuilt_factor": (0.01, 1.0),
           "delta_fraction": (0.001, 1.0), "padding_overhead": (0.01, 3.0), "checkpoint_overhead": (0.05, 1.5),
+          "lora_factor": (0.3, 1.2), "attention_factor": (0.1, 10.0), "fa3_attention_factor": (0.2, 1.5), "fp8_train_factor": (0.3, 1.2), "selective_overhead": (0.01, 1.0), "offload_overhead": (0.01, 2.0),
+          **{f"gpu_speed_{name}": (0.2, 5.0) for name in GPU_DATASHEET},
           **{f"overlap_{mode}_{stage}": (0.5, 10.0) for mode in ("one_step_async", "fully_async") for stage in ("rollout", "training")}}
 FREE_RANGE = 1e4
 MAX_FIT_CASES = 300  # other coefficients may move this factor either way from their prior
 JOB_PRIOR_WEIGHT = 0.3  # pull of a job's own coefficients towards its device class's fitted ones (log space)
 MIN_JOB_FIT_CASES = 2  # a job gets its own coefficients once it has this many ok cases
+# Pull towards the priors in a class whose fit holds public runs: their step alone (one residual where a run of ours
+# gives three) must not let every coefficient wander; a prior good to a factor of about e against a residual of about 0.3.
+PUBLIC_PRIOR_WEIGHT = 0.3
 FIT_RUN_NOISE = 0.03  # run-to-run noise (log) every run carries beside its own step spread; see case_fit_weight
 SANDBOX_SOFT_MIN_POWER = 4.0
 BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "float32": 4.0, "bfloat16": 2.0}
@@ -111,6 +148,18 @@ class Features:
     def text(self, name: str, default: str) -> list[str]:
         return [str(s.get(name, default)) for s in self._settings]
 
+    def fact(self, name: str, default: float) -> np.ndarray:
+        """A model or workload fact of each setup (``job.yaml``'s model facts are facts, not settings: the
+        similarity distance never reads them), ``default`` where a setup lacks it."""
+        key = ("fact", name, default)
+        if key not in self._memo:
+            values = []
+            for s in self.setups:
+                v = s.facts.get(name, default)
+                values.append(float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else default)
+            self._memo[key] = np.asarray(values, dtype=float)
+        return self._memo[key]
+
     def derived(self, name: str, fn: Callable[[Features], np.ndarray]) -> np.ndarray:
         key = ("derived", name)
         if key not in self._memo:
@@ -130,21 +179,115 @@ def samples(f: Features) -> np.ndarray:
     return np.maximum(f.num("batch", 1.0), 1.0)
 
 
+def sandboxed(f: Features) -> np.ndarray:
+    """1 where trials run in sandboxes over several model turns (tool use, coding), else 0."""
+    return f.derived("sandboxed", lambda f: np.asarray([1.0 if w in SANDBOXED_WORKLOADS else 0.0 for w in f.text("workload", "math")]))
+
+
+def has_rollout(f: Features) -> np.ndarray:
+    """0 for a trainer benchmark (no rollout and no weight sync), else 1."""
+    return 1.0 - f.equals("workload", TRAINER_ONLY_WORKLOAD, "math")
+
+
 def turns(f: Features) -> np.ndarray:
     def compute(f: Features) -> np.ndarray:
-        multi = 1.0 - f.equals("workload", "math", "math")
-        cap = np.maximum(f.num("answer_cap_tokens", 256.0), 1.0)
+        cap = np.maximum(answer_cap(f), 1.0)
         by_context = np.maximum(f.num("context_limit_tokens", 4096.0) / cap, 1.0)
-        return 1.0 + multi * (np.minimum(3.0, by_context) - 1.0)
+        return 1.0 + sandboxed(f) * (np.minimum(3.0, by_context) - 1.0)
     return f.derived("turns", compute)
 
 
+def answer_cap(f: Features) -> np.ndarray:
+    """Generated tokens a model turn may take: the answer cap; where only a cap on prompt + answer is known, that."""
+    def compute(f: Features) -> np.ndarray:
+        known = f.num("answer_cap_tokens", 0.0)
+        total = f.num("context_limit_tokens", 0.0)
+        return np.where(known > 0, known, np.where(total > 0, total, 256.0))
+    return f.derived("answer_cap", compute)
+
+
 def gen_len(f: Features) -> np.ndarray:
-    return f.num("answer_cap_tokens", 256.0) * turns(f)
+    return answer_cap(f) * turns(f)
 
 
 def seq_len(f: Features) -> np.ndarray:
     return np.minimum(f.num("context_limit_tokens", 1e9), 1.5 * gen_len(f))
+
+
+def sequence_tokens(f: Features) -> np.ndarray:
+    """Mean tokens of one trained sequence: what the source measured where it says, else the theory's ``seq_len``."""
+    return f.derived("sequence_tokens", lambda f: np.where(f.fact("sequence_tokens", 0.0) > 0, f.fact("sequence_tokens", 0.0),
+                                                           seq_len(f)))
+
+
+def active_params(f: Features) -> np.ndarray:
+    """Parameters active per token; the total where the source does not say (a dense model)."""
+    return f.derived("active_params", lambda f: np.where(f.num("active_params", 0.0) > 0, f.num("active_params", 0.0),
+                                                         f.num("total_params", 1e9)))
+
+
+def moe(f: Features) -> np.ndarray:
+    """1 for a mixture-of-experts model: fewer parameters active per token than it holds."""
+    return f.derived("moe", lambda f: (active_params(f) < f.num("total_params", 0.0) * 0.999).astype(float))
+
+
+def width_depth(f: Features) -> np.ndarray:
+    """layers x hidden: from the model's facts, else estimated from its active parameters (:data:`WIDTH_DEPTH_SCALE`)."""
+    def compute(f: Features) -> np.ndarray:
+        known = f.fact("layers", 0.0) * f.fact("hidden", 0.0)
+        return np.where(known > 0, known, WIDTH_DEPTH_SCALE * active_params(f) ** WIDTH_DEPTH_POWER)
+    return f.derived("width_depth", compute)
+
+
+def kv_bytes_per_token(f: Features) -> np.ndarray:
+    """Key/value cache bytes of one token: from the model's shape where known, else :data:`KV_BYTES_SCALE`."""
+    def compute(f: Features) -> np.ndarray:
+        element = 1.0 + 1.0 * f.equals("kv_cache_dtype", "auto", "auto")  # fp8 cache: 1 byte
+        shape = 2.0 * f.fact("layers", 0.0) * f.fact("kv_heads", 0.0) * f.fact("head_dim", 0.0)
+        return np.where(shape > 0, shape * element, KV_BYTES_SCALE * np.sqrt(active_params(f)) * element / 2.0)
+    return f.derived("kv_bytes_per_token", compute)
+
+
+def _sheet(f: Features, column: int) -> np.ndarray:
+    ref = GPU_DATASHEET[REFERENCE_GPU][column]
+    return np.asarray([GPU_DATASHEET.get(d, GPU_DATASHEET[REFERENCE_GPU])[column] / ref if d.lower() != "cpu" else 1.0
+                       for d in f.text("device", "cpu")])
+
+
+def flops_ratio(f: Features, dtype_knob: str | None = None) -> np.ndarray:
+    """Dense FLOP/s of each setup's GPU over the reference GPU's: bf16, or fp8 where the setting ``dtype_knob``
+    says fp8; 1 on a CPU."""
+    def compute(f: Features) -> np.ndarray:
+        fp8 = f.equals(dtype_knob, "fp8", "bf16") if dtype_knob else np.zeros(f.n)
+        return _sheet(f, 0) * (1.0 - fp8) + _sheet(f, 1) * fp8 * (GPU_DATASHEET[REFERENCE_GPU][0] / GPU_DATASHEET[REFERENCE_GPU][1])
+    return f.derived(f"flops_ratio_{dtype_knob}", compute)
+
+
+def hbm_ratio(f: Features) -> np.ndarray:
+    """HBM bandwidth of each setup's GPU over the reference GPU's; 1 on a CPU."""
+    return f.derived("hbm_ratio", lambda f: _sheet(f, 2))
+
+
+def gpu_memory(f: Features) -> np.ndarray:
+    """Memory bytes of one GPU (0 on a CPU or an unknown type)."""
+    return f.derived("gpu_memory", lambda f: np.asarray([GPU_DATASHEET[d][3] if d in GPU_DATASHEET else 0.0
+                                                         for d in f.text("device", "cpu")]))
+
+
+def scale_up_domain(f: Features) -> np.ndarray:
+    """GPUs one scale-up link (NVLink) joins: a node of 8, an NVL72 rack of 72."""
+    return f.derived("scale_up_domain", lambda f: np.asarray([float(GPU_DATASHEET.get(d, GPU_DATASHEET[REFERENCE_GPU])[5])
+                                                              for d in f.text("device", "cpu")]))
+
+
+def gpu_speed(f: Features, c: dict[str, float]) -> np.ndarray:
+    """The fitted factor of each setup's GPU type on its datasheet speed (1 for a CPU or an unlisted type)."""
+    out = np.ones(f.n)
+    for name in GPU_DATASHEET:
+        mask = f.equals("device", name, "cpu")
+        if mask.any():
+            out = out * (1.0 + mask * (c[f"gpu_speed_{name}"] - 1.0))
+    return out
 
 
 def trainer_devices(f: Features) -> np.ndarray:
@@ -157,7 +300,44 @@ def trainer_devices(f: Features) -> np.ndarray:
 
 
 def engines(f: Features) -> np.ndarray:
-    return np.maximum(f.num("num_engines", 1.0), 1.0)
+    """Engines serving the rollout: the setting; else the rollout GPUs over each engine's tensor parallelism."""
+    def compute(f: Features) -> np.ndarray:
+        set_ = f.num("num_engines", 0.0)
+        by_gpus = f.num("rollout_gpus", 0.0) / engine_tp(f)
+        return np.maximum(np.where(set_ > 0, set_, np.where(by_gpus >= 1, np.floor(by_gpus), 1.0)), 1.0)
+    return f.derived("engines", compute)
+
+
+def trainer_layout(f: Features) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(tensor, pipeline, context, expert, data) parallel degrees of the trainer; data = trainer GPUs / (tp x pp x cp)."""
+    def degree(name: str) -> np.ndarray:
+        return np.maximum(f.num(name, 1.0), 1.0)
+
+    tp, pp, cp, ep = degree("trainer_tp"), degree("trainer_pp"), degree("trainer_cp"), degree("trainer_ep")
+    dp = f.derived("trainer_dp", lambda f: np.maximum(trainer_devices(f) / (tp * pp * cp), 1.0))
+    return tp, pp, cp, ep, dp
+
+
+def micro_batches_per_rank(f: Features) -> np.ndarray:
+    """Micro-batches one data-parallel rank runs per step: its share of the batch over the micro-batch size; the
+    stated count where the job gives one (``micro_batches``); 1 where neither is known."""
+    def compute(f: Features) -> np.ndarray:
+        *_, dp = trainer_layout(f)
+        mb = np.maximum(f.num("micro_batch_size", 0.0), 0.0)
+        stated = f.num("micro_batches", 0.0)
+        by_size = np.ceil(samples(f) / np.maximum(dp * np.maximum(mb, 1.0), 1.0) - 1e-9)
+        return np.where(mb > 0, np.maximum(by_size, 1.0), np.where(stated > 0, stated, 1.0))
+    return f.derived("micro_batches_per_rank", compute)
+
+
+def pipeline_bubble(f: Features) -> np.ndarray:
+    """Idle share of a pipeline-parallel step (1F1B): (pp - 1) / (m + pp - 1) for m micro-batches per optimizer step."""
+    def compute(f: Features) -> np.ndarray:
+        _, pp, _, _, dp = trainer_layout(f)
+        per_optimizer_step = np.where(f.num("train_batch_samples", 0.0) > 0, f.num("train_batch_samples", 0.0), samples(f))
+        m = np.maximum(per_optimizer_step / (dp * np.maximum(f.num("micro_batch_size", 1.0), 1.0)), 1.0)
+        return (pp - 1.0) / (m + pp - 1.0)
+    return f.derived("pipeline_bubble", compute)
 
 
 def engine_tp(f: Features) -> np.ndarray:
@@ -181,15 +361,16 @@ def concurrency_per_engine(f: Features) -> np.ndarray:
     slots generate at once, so an engine sees at most its share of the slots.
     """
     def compute(f: Features) -> np.ndarray:
-        wanted = np.maximum(f.num("engine_max_concurrency", 16.0), 1.0)
+        on_gpu = f.num("gpus", 0.0) > 0
+        default = np.where(on_gpu, DEFAULT_GPU_CONCURRENCY, 16.0)
+        stated = f.num("engine_max_concurrency", 0.0)
+        wanted = np.maximum(np.where(stated > 0, stated, default), 1.0)
         slots = f.num("sandbox_pool_size", math.inf) * np.maximum(f.num("sandbox_hosts", 1.0), 1.0) / engines(f)
-        sandboxed = (1.0 - f.equals("workload", "math", "math")) > 0
-        wanted = np.where(sandboxed, np.minimum(wanted, np.maximum(slots, 1.0)), wanted)
-        memory = np.asarray([GPU_MEMORY_BYTES.get(d, 0.0) for d in f.text("device", "cpu")])
-        kv_bytes = 1.0 + 1.0 * f.equals("kv_cache_dtype", "auto", "auto")  # fp8 cache: 1 byte
-        per_token = 2.0 * f.num("layers", 32.0) * f.num("kv_heads", 8.0) * f.num("head_dim", 128.0) * kv_bytes
-        free = np.maximum(memory * engine_tp(f) * 0.9 - weight_bytes(f), 0.05 * memory * engine_tp(f))
-        capacity = free / np.maximum(per_token * seq_len(f), 1.0)
+        wanted = np.where(sandboxed(f) > 0, np.minimum(wanted, np.maximum(slots, 1.0)), wanted)
+        memory = gpu_memory(f)
+        share = np.minimum(np.maximum(f.num("engine_memory_fraction", 0.9), 0.05), 1.0)
+        free = np.maximum(memory * engine_tp(f) * share - weight_bytes(f), 0.05 * memory * engine_tp(f))
+        capacity = free / np.maximum(kv_bytes_per_token(f) * sequence_tokens(f), 1.0)
         return np.where(memory > 0, np.maximum(np.minimum(wanted, capacity), 1.0), wanted)
     return f.derived("concurrency_per_engine", compute)
 
@@ -238,12 +419,12 @@ def pinned_coefficients(cases: Sequence[CaseRecord]) -> set[str]:
     knows these coefficients from that case alone, so they need no change of the setting to be known.
     Likewise a mode's overlap factors, once some case ran in that mode.
     """
-    present = {name for c in cases if c.status == "ok" for name, v in c.measured.items() if _number(v)}
+    present = {name for c in cases if c.usable for name, v in c.measured.items() if _number(v)}
     out = {coef for term in TERMS if term.column in present for coef in term.priors}
     out |= {coef for col, coefs in COUNT_COEFFICIENTS.items() if col in present for coef in coefs}
     # An RL mode's overlap factors are measured by the runs in that mode, whatever else they ran: a micro-batch
     # no case ran is priced by the priors, but the cores it shares with the rollout stay as contended as measured.
-    modes = {c.rl_mode for c in cases if c.status == "ok"}
+    modes = {c.rl_mode for c in cases if c.usable}
     out |= {f"overlap_{mode}_{stage}" for mode in OVERLAP_MODES if mode in modes for stage in OVERLAPPED_STAGES}
     return out
 
@@ -261,7 +442,9 @@ def batch_per_step(f: Features) -> np.ndarray:
 
 
 def train_tokens(f: Features) -> np.ndarray:
-    return samples(f) * seq_len(f)
+    """Tokens one step trains: as the source states it, else samples x their mean length (measured or the theory's)."""
+    return f.derived("train_tokens", lambda f: np.where(f.num("tokens_per_step", 0.0) > 0, f.num("tokens_per_step", 0.0),
+                                                        samples(f) * sequence_tokens(f)))
 
 
 # ---- the term registry ---------------------------------------------------------------------------
@@ -299,23 +482,65 @@ def register_term(stage: str, name: str, reads: Sequence[str], priors: dict[str,
     return term
 
 
+def attention_flops(f: Features) -> np.ndarray:
+    """FLOPs of attention over the sequence in one step: 6 x layers x hidden x sequence per token (the causal half
+    of QK^T and AV, forward and backward) -- what grows faster than the tokens as sequences lengthen."""
+    return f.derived("attention_flops", lambda f: train_tokens(f) * 6.0 * width_depth(f) * sequence_tokens(f))
+
+
+def training_flops(f: Features) -> np.ndarray:
+    """FLOPs of one step's forward and backward passes: 6 x active x tokens, plus attention (:func:`attention_flops`)."""
+    return f.derived("training_flops", lambda f: train_tokens(f) * 6.0 * active_params(f) + attention_flops(f))
+
+
 def _training_compute(f: Features, c: dict[str, float]) -> np.ndarray:
     padding = 1.0 + c["padding_overhead"] * (1.0 - f.flag("packing", False))
-    checkpoint = 1.0 + c["checkpoint_overhead"] * f.flag("grad_checkpointing", False)
-    flops = 6.0 * f.num("active_params", 1e9) * train_tokens(f)
-    return c["s_per_train_flop"] * flops * padding * checkpoint / trainer_devices(f)
+    ac = f.text("activation_checkpointing", "none")
+    full = np.maximum(f.flag("grad_checkpointing", False), np.asarray([1.0 if a == "full" else 0.0 for a in ac]))
+    checkpoint = 1.0 + c["checkpoint_overhead"] * full + c["selective_overhead"] * np.asarray([a == "selective" for a in ac], dtype=float) \
+        + c["offload_overhead"] * np.asarray([a == "offload" for a in ac], dtype=float)
+    # LoRA trains adapters only: the backward pass skips the weight gradients of the frozen weights
+    lora = 1.0 - (1.0 - c["lora_factor"]) * (f.num("lora_rank", 0.0) > 0)
+    fp8 = 1.0 - (1.0 - c["fp8_train_factor"]) * f.equals("train_dtype", "fp8", "bf16")
+    speed = trainer_devices(f) * flops_ratio(f) * gpu_speed(f, c)
+    # attention kernels run at their own share of the datasheet (FlashAttention-3 about 1.5-2x FlashAttention-2 on Hopper)
+    fa3 = np.asarray([k == "flash_attention_3" for k in f.text("attention_kernel", "")], dtype=float)
+    attention = attention_flops(f) * c["attention_factor"] * (1.0 - (1.0 - c["fa3_attention_factor"]) * fa3)
+    flops = train_tokens(f) * 6.0 * active_params(f) + attention
+    return c["s_per_train_flop"] * flops * padding * checkpoint * lora * fp8 / speed
+
+
+def _training_layout(f: Features, c: dict[str, float]) -> np.ndarray:
+    """What splitting the trainer over GPUs adds to its compute: tensor/context-parallel collectives on every layer
+    (dearer once they leave the scale-up domain), the pipeline's idle share, and for a mixture of experts its routing
+    and expert-parallel all-to-all. Zero on one GPU with a dense model."""
+    tp, pp, cp, ep, dp = trainer_layout(f)
+    compute = _training_compute(f, c)
+    group = tp * cp
+    collective = c["tp_comm"] * np.log2(group) * (1.0 + c["inter_node_comm"] * (group > scale_up_domain(f)))
+    experts = moe(f) * (c["moe_overhead"] + c["ep_comm"] * np.log2(ep))
+    return compute * (collective + c["pipeline_bubble_weight"] * pipeline_bubble(f) / (1.0 - pipeline_bubble(f)) + experts)
+
+
+def _training_data_parallel(f: Features, c: dict[str, float]) -> np.ndarray:
+    """The exposed part of the gradient reduce-scatter and parameter all-gather over data-parallel ranks (FSDP / ZeRO):
+    2 x bf16 bytes of each rank's parameter shard, over the scale-up link or, past its domain, the network."""
+    tp, pp, cp, ep, dp = trainer_layout(f)
+    shard = 2.0 * 2.0 * f.num("total_params", 1e9) / (tp * pp)
+    inside = trainer_devices(f) <= scale_up_domain(f)
+    link = np.where(inside, _sheet(f, 4) * GPU_DATASHEET[REFERENCE_GPU][4], INTER_NODE_BYTES_PER_S)
+    return (dp > 1) * c["dp_exposed"] * shard * (dp - 1.0) / dp / link
 
 
 def _training_microbatches(f: Features, c: dict[str, float]) -> np.ndarray:
-    mb = np.maximum(f.num("micro_batch_size", 0.0), 0.0)
-    count = np.where(mb > 0, np.ceil(samples(f) / np.maximum(mb, 1.0)), 1.0)
-    return c["s_per_micro_batch"] * count / np.maximum(trainer_devices(f) / np.maximum(f.num("trainer_tp", 1.0), 1.0), 1.0)
+    _, pp, _, _, _ = trainer_layout(f)
+    return c["s_per_micro_batch"] * (micro_batches_per_rank(f) + pp - 1.0)
 
 
 def _old_logprob(f: Features, c: dict[str, float]) -> np.ndarray:
-    separate = 1.0 - f.flag("reuse_rollout_logprobs", False)
-    flops = 2.0 * f.num("active_params", 1e9) * train_tokens(f)
-    return separate * c["s_per_logprob_flop"] * flops / trainer_devices(f)
+    separate = (1.0 - f.flag("reuse_rollout_logprobs", False)) * has_rollout(f)
+    flops = 2.0 * active_params(f) * train_tokens(f)
+    return separate * c["s_per_logprob_flop"] * flops / (trainer_devices(f) * flops_ratio(f) * gpu_speed(f, c))
 
 
 def run_ahead(f: Features) -> np.ndarray:
@@ -349,13 +574,20 @@ def _decode(f: Features, c: dict[str, float]) -> np.ndarray:
     so one batch costs their joint time over their number -- to the power of a fitted efficiency,
     since engines on one device (or on a CPU's cores) slow each other."""
     ahead = run_ahead(f)
-    overhead = c["s_per_decode_step"] * (1.0 - (1.0 - c["compile_factor"]) * f.flag("engine_compile", False))
-    weights = c["s_per_weight_byte"] * weight_bytes(f) / engine_tp(f)
+    tp = engine_tp(f)
+    # an engine split over GPUs all-reduces on every layer of every decode step: dearer past the scale-up domain
+    collective = c["s_per_engine_allreduce"] * np.log2(tp) * (1.0 + c["inter_node_comm"] * (tp > scale_up_domain(f)))
+    overhead = c["s_per_decode_step"] * (1.0 - (1.0 - c["compile_factor"]) * f.flag("engine_compile", False)) + collective
     rounds = generation_rounds(f)
     batch = np.minimum(concurrency_per_engine(f), ahead * rounds * samples(f) / engines(f))
-    compute = c["s_per_decode_flop"] * 2.0 * f.num("active_params", 1e9) * batch / engine_tp(f)
+    # each decode step reads the weights and, on a GPU, the key/value cache of the sequences in flight
+    on_gpu = (f.num("gpus", 0.0) > 0).astype(float)
+    cache = on_gpu * batch * 0.5 * sequence_tokens(f) * kv_bytes_per_token(f)
+    speed = gpu_speed(f, c)
+    weights = c["s_per_weight_byte"] * (weight_bytes(f) + cache) / (tp * hbm_ratio(f) * speed)
+    compute = c["s_per_decode_flop"] * 2.0 * active_params(f) * batch / (tp * flops_ratio(f, "weight_dtype") * speed)
     per_round = decode_steps(f, c["continuous_fill"], rounds) * (overhead + weights + compute) / ahead ** c["run_ahead_efficiency"]
-    return per_round * engines_sharing_cores(f, c) / generation_cadence(f)
+    return has_rollout(f) * per_round * engines_sharing_cores(f, c) / generation_cadence(f)
 
 
 def engines_sharing_cores(f: Features, c: dict[str, float]) -> np.ndarray:
@@ -386,58 +618,87 @@ def sandbox_parallelism(f: Features, cores_per_host: float) -> np.ndarray:
 
 
 def _sandbox(f: Features, c: dict[str, float]) -> np.ndarray:
-    tool = 1.0 - f.equals("workload", "math", "math")
+    tool = sandboxed(f)
     per_trial = _setup_per_trial(f, c) + _exec_per_trial(f, c)
     return tool * per_trial * samples(f) / sandbox_parallelism(f, c["sandbox_cores"])
 
 
 def _weight_sync(f: Features, c: dict[str, float]) -> np.ndarray:
+    """Fixed cost + bytes / bandwidth per transport. The reference workload's transports (files, in-process copies,
+    sparse deltas) serve the engines one after another; a collective broadcast (NCCL, the default of jobs that do not
+    say) reaches every engine at once, each of its GPUs receiving its tensor-parallel shard."""
     fs = f.equals("sync_transport", "filesystem", "broadcast")
     inproc = f.equals("sync_transport", "inprocess", "broadcast")
     delta = f.equals("sync_transport", "sparse_delta", "broadcast")
     other = 1.0 - fs - inproc - delta
-    per_byte = fs * c["s_per_byte_filesystem"] + inproc * c["s_per_byte_inprocess"] + other * c["s_per_byte_broadcast"] \
-        + delta * c["s_per_byte_filesystem"] * c["delta_fraction"]
+    per_byte = (fs * c["s_per_byte_filesystem"] + inproc * c["s_per_byte_inprocess"] + delta * c["s_per_byte_filesystem"] * c["delta_fraction"]) \
+        * engines(f) + other * c["s_per_byte_broadcast"] * np.where(f.num("gpus", 0.0) > 1, 1.0, engines(f)) / engine_tp(f)
     fixed = fs * c["sync_fixed_filesystem_s"] + inproc * c["sync_fixed_inprocess_s"] + other * c["sync_fixed_broadcast_s"] \
         + delta * c["sync_fixed_delta_s"]
-    return fixed + per_byte * weight_bytes(f) * engines(f)
+    return has_rollout(f) * (fixed + per_byte * weight_bytes(f))
+
+
+def _colocation_handover(f: Features, c: dict[str, float]) -> np.ndarray:
+    """Where trainer and engines share GPUs (``colocated``), each step hands the GPUs over twice: the trainer's
+    weights, gradients and optimizer state (16 bytes a parameter) leave for host memory and come back."""
+    state = 16.0 * f.num("total_params", 1e9) / trainer_devices(f)
+    return has_rollout(f) * f.flag("colocated", False) * c["s_per_handover_byte"] * state
 
 
 def _routing_replay(f: Features, c: dict[str, float]) -> np.ndarray:
     return f.flag("routing_replay", False) * c["s_per_routing_token"] * train_tokens(f) * f.num("layers", 32.0) / trainer_devices(f)
 
 
-register_term("training", "compute", ("batch", "answer_cap_tokens", "context_limit_tokens", "active_params", "gpus", "trainer_gpus",
-                                      "packing", "grad_checkpointing", "workload"),
-              {"s_per_train_flop": (3e-11, 3e-15), "padding_overhead": (0.3, 0.3), "checkpoint_overhead": (0.33, 0.33)},
-              _training_compute, "6 x active x tokens / trainer GPUs, with padding and recompute")
-register_term("training", "micro_batches", ("micro_batch_size", "batch", "trainer_gpus", "trainer_tp"),
-              {"s_per_micro_batch": (0.01, 0.05)}, _training_microbatches, "fixed cost per micro-batch")
-register_term("training", "old_logprob_pass", ("reuse_rollout_logprobs", "batch", "active_params"),
+GPU_SPEED_PRIORS = {f"gpu_speed_{name}": (1.0, 1.0) for name in GPU_DATASHEET}
+TRAINING_READS = ("batch", "answer_cap_tokens", "context_limit_tokens", "active_params", "total_params", "gpus", "trainer_gpus",
+                  "device", "sequence_tokens", "tokens_per_step", "workload")
+register_term("training", "compute", (*TRAINING_READS, "packing", "grad_checkpointing", "activation_checkpointing", "lora_rank",
+                                      "train_dtype", "attention_kernel"),
+              {"s_per_train_flop": (3e-11, 3e-15), "padding_overhead": (0.3, 0.3), "checkpoint_overhead": (0.33, 0.33),
+               "selective_overhead": (0.1, 0.1), "offload_overhead": (0.15, 0.15), "lora_factor": (0.7, 0.7),
+               "fp8_train_factor": (0.75, 0.75), "attention_factor": (1.0, 1.0), "fa3_attention_factor": (0.6, 0.6), **GPU_SPEED_PRIORS},
+              _training_compute, "(6 x active + attention) x tokens / (trainer GPUs x datasheet FLOP/s), with padding, recompute, LoRA, fp8")
+register_term("training", "layout", (*TRAINING_READS, "trainer_tp", "trainer_pp", "trainer_cp", "trainer_ep", "micro_batch_size",
+                                     "train_batch_samples"),
+              {"tp_comm": (0.1, 0.1), "inter_node_comm": (2.0, 2.0), "pipeline_bubble_weight": (1.0, 1.0), "moe_overhead": (0.5, 0.5),
+               "ep_comm": (0.1, 0.1)},
+              _training_layout, "tensor/context-parallel collectives, the pipeline bubble, MoE routing and all-to-all")
+register_term("training", "data_parallel", ("total_params", "gpus", "trainer_gpus", "device", "trainer_tp", "trainer_pp", "trainer_cp"),
+              {"dp_exposed": (0.3, 0.3)}, _training_data_parallel, "exposed gradient reduce-scatter + parameter all-gather")
+register_term("training", "micro_batches", ("micro_batch_size", "micro_batches", "batch", "trainer_gpus", "trainer_tp", "trainer_pp",
+                                            "trainer_cp"),
+              {"s_per_micro_batch": (0.01, 0.05)}, _training_microbatches, "fixed cost per micro-batch, and per pipeline stage")
+register_term("training", "old_logprob_pass", ("reuse_rollout_logprobs", "batch", "active_params", "device", "workload"),
               {"s_per_logprob_flop": (3e-11, 3e-15)}, _old_logprob, "separate forward pass for old log-probs", column="old_logprob_s")
 register_term("training", "fixed", (), {"training_fixed_s": (0.02, 1.0)}, lambda f, c: np.full(f.n, c["training_fixed_s"]))
 register_term("rollout", "decode", ("batch", "answer_cap_tokens", "context_limit_tokens", "engine_max_concurrency", "num_engines",
                                     "gpus", "engine_batching", "engine_compile", "engine_tp", "kv_cache_dtype", "weight_dtype", "total_params",
                                     "active_params", "workload", "device", "sandbox_pool_size", "sandbox_hosts",
-                                    "max_sample_age", "generation_batch_size", "batch_reuse"),
+                                    "max_sample_age", "generation_batch_size", "batch_reuse", "rollout_gpus", "sequence_tokens",
+                                    "engine_memory_fraction"),
               # CPU: small-batch decode in eager kernels runs at a few GFLOP/s, an order of magnitude below the dense
               # matmuls of training, so each sequence in the batch adds a real share to a decode step.
               # compile_factor on a GPU: CUDA graphs cut the H200 small job's rollout 8.4 -> 0.9 s a step
               # (bench/results/graph-decode-h200-*/); on a CPU torch.compile saves less of a step's fixed cost.
               {"s_per_decode_step": (2e-3, 0.01), "compile_factor": (0.7, 0.15), "s_per_weight_byte": (1e-10, 2.5e-13),
                "s_per_decode_flop": (3e-10, 3e-15), "continuous_fill": (0.7, 0.7), "run_ahead_efficiency": (0.5, 1.0),
-               "engine_core_sharing": (1.0, 1.0)},
+               "engine_core_sharing": (1.0, 1.0), "s_per_engine_allreduce": (1e-4, 1e-4), "inter_node_comm": (2.0, 2.0),
+               **GPU_SPEED_PRIORS},
               _decode, "decode steps over the longest trial per wave x cost of one step, over the batches generated at once")
 register_term("rollout", "sandbox", ("workload", "sandbox_pool_size", "sandbox_hosts", "prebuilt_image", "batch"),
               {"sandbox_build_s": (0.5, 120.0), "prebuilt_factor": (0.2, 0.2), "sandbox_exec_s": (0.05, 5.0), "sandbox_cores": (2.0, 64.0),
                "sandbox_overlap": (0.5, 0.5)},
               _sandbox, "sandbox setup and execution per trial, over the pool, capped by the cores that run it")
-register_term("rollout", "fixed", (), {"rollout_fixed_s": (0.02, 1.0)}, lambda f, c: np.full(f.n, c["rollout_fixed_s"]))
-register_term("weight_sync", "transfer", ("sync_transport", "total_params", "weight_dtype", "num_engines"),
+register_term("rollout", "fixed", ("workload",), {"rollout_fixed_s": (0.02, 1.0)}, lambda f, c: has_rollout(f) * c["rollout_fixed_s"])
+register_term("weight_sync", "transfer", ("sync_transport", "total_params", "weight_dtype", "num_engines", "engine_tp", "rollout_gpus",
+                                          "gpus", "workload"),
               {"s_per_byte_filesystem": (1e-9, 1e-9), "s_per_byte_inprocess": (2e-10, 1e-10), "s_per_byte_broadcast": (2e-10, 2e-11),
                "delta_fraction": (0.1, 0.1), "sync_fixed_filesystem_s": (0.02, 1.0), "sync_fixed_inprocess_s": (0.005, 0.5),
                "sync_fixed_broadcast_s": (0.01, 0.5), "sync_fixed_delta_s": (0.02, 1.0)},
               _weight_sync, "fixed cost + bytes / bandwidth per transport")
+register_term("weight_sync", "colocation_handover", ("colocated", "total_params", "gpus", "trainer_gpus"),
+              {"s_per_handover_byte": (4e-11, 4e-11)}, _colocation_handover,
+              "trainer state to host memory and back where trainer and engines share GPUs")
 register_term("training", "routing_replay_copy", ("routing_replay",), {"s_per_routing_token": (1e-9, 2e-10)}, _routing_replay,
               "CPU copy of rollout routing data per token and layer (the seed's routing-replay cost)")
 
@@ -468,10 +729,21 @@ def overlap_slowdown(f: Features, c: dict[str, float], stage: str, own: dict[str
         return np.ones(f.n)
     alone = own[stage]
     overlapped = np.divide(np.minimum(alone, own[PARTNER[stage]]), alone, out=np.zeros(f.n), where=alone > 0)
+    overlapped = overlapped * shares_devices(f)
     factor = np.ones(f.n)
     for mode in OVERLAP_MODES:
         factor = factor + f.equals("rl_mode", mode, "sync") * (c[f"overlap_{mode}_{stage}"] - 1.0) * overlapped
     return factor
+
+
+def shares_devices(f: Features) -> np.ndarray:
+    """1 where rollout and training run on the same devices (a CPU's cores, one GPU, or GPUs the job says the trainer
+    and engines share), 0 where the job gives each its own GPUs: there the overlapped stages do not slow each other."""
+    def compute(f: Features) -> np.ndarray:
+        gpus = f.num("gpus", 0.0)
+        separate = np.asarray([s.get("colocated") is False for s in f._settings], dtype=bool) & (gpus > 1)
+        return np.where(separate, 0.0, 1.0)
+    return f.derived("shares_devices", compute)
 
 
 def device_class(device: str) -> str:
@@ -548,11 +820,15 @@ class TheoryModel:
         set is pulled weakly towards the physical priors. Each case's residuals are weighted by how
         precisely it measured its stages (:func:`case_fit_weight`). ``setups`` (``setup_from_case``
         of each case, in order) saves rebuilding them when the caller has them.
+
+        A public run (measured by another project, with its stages often unknown) enters the
+        residuals with its step or whichever stages it published; a class holding public runs pulls
+        harder towards the priors (:data:`PUBLIC_PRIOR_WEIGHT`).
         """
         fitted = TheoryModel(dict(self.coefficients), dict(self.fitted_on), dict(self.job_coefficients))
         groups: dict[str, list[tuple[CaseRecord, Setup]]] = {}
         for index, case in enumerate(cases):
-            if case.status == "ok":
+            if case.usable:
                 setup = setups[index] if setups is not None else setup_from_case(case)
                 groups.setdefault(device_class(case.device), []).append((case, setup))
         for cls, pairs in groups.items():
@@ -561,8 +837,12 @@ class TheoryModel:
             by_job: dict[str, list[int]] = {}
             for i, (_, setup) in enumerate(pairs):
                 by_job.setdefault(job_key(setup), []).append(i)
-            own = [key for key, rows in by_job.items() if len(rows) >= MIN_JOB_FIT_CASES] if len(by_job) > 1 else []
-            pooled, per_job = _fit_jobs(pairs, by_job, own, self.coefficients_for(device), prior_coefficients(device), prior_weight,
+            public = {key for key, rows in by_job.items() if any(pairs[i][0].public for i in rows)}
+            own = [key for key, rows in by_job.items() if len(rows) >= MIN_JOB_FIT_CASES and key not in public] if len(by_job) > 1 else []
+            target = prior_coefficients(device)
+            start = self.coefficients_for(device)
+            weight = max(prior_weight, PUBLIC_PRIOR_WEIGHT) if public else prior_weight
+            pooled, per_job = _fit_jobs(pairs, by_job, own, start, target, weight,
                                         {key: self.job_coefficients[key] for key in own if key in self.job_coefficients})
             fitted.coefficients[cls] = pooled
             fitted.fitted_on[cls] = len(pairs)
@@ -617,7 +897,8 @@ def _fit_jobs(pairs: list[tuple[CaseRecord, Setup]], by_job: dict[str, list[int]
     """
     from scipy.optimize import least_squares
 
-    names = sorted(start)
+    names = _active_coefficients(pairs, start)
+    fixed = {name: start[name] for name in start if name not in names}
     n = len(names)
     theta_prior = np.log([prior[name] for name in names])
     low = np.asarray([math.log(BOUNDS[name][0]) if name in BOUNDS else theta_prior[i] - math.log(FREE_RANGE) for i, name in enumerate(names)])
@@ -632,8 +913,15 @@ def _fit_jobs(pairs: list[tuple[CaseRecord, Setup]], by_job: dict[str, list[int]
         group = [pairs[i][0] for i in rows]
         f = Features([pairs[i][1] for i in rows])
         weight = np.asarray([case_fit_weight(c) for c in group])
-        per_case = [measured_stages(c) for c in group]
-        measured = {stage: np.log(np.asarray([m[stage] for m in per_case]) + EPS_S) for stage in STAGES}
+        per_case = [known_stages(c) for c in group]
+        # stage -> (rows of the cases that measured it, their log values); a public run publishes some stages or none
+        measured = {stage: (np.asarray([i for i, m in enumerate(per_case) if m[stage] is not None], dtype=int),
+                            np.log(np.asarray([m[stage] for m in per_case if m[stage] is not None], dtype=float) + EPS_S))
+                    for stage in STAGES}
+        # where a stage is unknown, the step the case measured is fitted by the RL-mode rule instead
+        step_only = [(i, case_step(c)) for i, (c, m) in enumerate(zip(group, per_case, strict=True))
+                     if any(m[stage] is None for stage in STAGES) and case_step(c) is not None]
+        steps = (np.asarray([i for i, _ in step_only], dtype=int), np.log(np.asarray([v for _, v in step_only], dtype=float) + EPS_S))
         # column -> (rows of the cases that measured it, their log values)
         finer = {col: (np.asarray([i for i, c in enumerate(group) if _number(c.measured.get(col))], dtype=int),
                        np.log(np.asarray([float(c.measured[col]) for c in group if _number(c.measured.get(col))]) + EPS_S))
@@ -641,15 +929,18 @@ def _fit_jobs(pairs: list[tuple[CaseRecord, Setup]], by_job: dict[str, list[int]
         counts = {col: (np.asarray([i for i, c in enumerate(group) if _number(c.measured.get(col)) and c.measured[col] > 0], dtype=int),
                         np.log(np.asarray([float(c.measured[col]) for c in group if _number(c.measured.get(col)) and c.measured[col] > 0])))
                   for col in sorted(COUNT_COLUMNS)}
-        size = len(rows) * len(STAGES) + sum(len(r) for r, _ in finer.values()) + sum(len(r) for r, _ in counts.values())
-        prepared.append((key, f, weight, measured, finer, counts, size))
+        size = sum(len(r) for r, _ in measured.values()) + len(steps[0]) + sum(len(r) for r, _ in finer.values()) \
+            + sum(len(r) for r, _ in counts.values())
+        prepared.append((key, f, weight, measured, steps, finer, counts, size))
     offset_of = {key: n * (1 + j) for j, key in enumerate(own)}
 
     def block_residuals(theta: np.ndarray, block: tuple) -> np.ndarray:
-        _, f, weight, measured, finer, counts, _ = block
-        coeffs = dict(zip(names, np.exp(np.clip(theta, low, high)), strict=True))
+        _, f, weight, measured, steps, finer, counts, _ = block
+        coeffs = {**fixed, **dict(zip(names, np.exp(np.clip(theta, low, high)), strict=True))}
         sums, factors = _with_overlap(f, coeffs, _own_stage_sums(f, coeffs))
-        parts = [weight * (np.log(sums[s] + EPS_S) - measured[s]) for s in STAGES]
+        parts = [weight[rows] * (np.log(sums[s][rows] + EPS_S) - values) for s, (rows, values) in measured.items()]
+        if len(steps[0]):
+            parts.append(weight[steps[0]] * (np.log(combine_many(f, sums)[steps[0]] + EPS_S) - steps[1]))
         by_column = _column_terms(f, coeffs, factors)
         parts += [weight[rows] * (np.log(by_column[col][rows] + EPS_S) - values) for col, (rows, values) in finer.items()]
         parts += [weight[rows] * (np.log(np.maximum(COUNT_COLUMNS[col](f, coeffs)[rows], 1e-9)) - values)
@@ -694,9 +985,26 @@ def _fit_jobs(pairs: list[tuple[CaseRecord, Setup]], by_job: dict[str, list[int]
     x_high = np.concatenate([high, *[np.full(n, np.inf) for _ in own]])
     result = least_squares(residuals, x0, jac=jacobian, bounds=(x_low, x_high), method="trf", tr_solver="lsmr", x_scale=1.0,
                            max_nfev=50 * n)
-    out = [dict(zip(names, (float(v) for v in np.exp(np.clip(theta, low, high))), strict=True)) for theta in thetas(result.x)]
+    out = [{**fixed, **dict(zip(names, (float(v) for v in np.exp(np.clip(theta, low, high))), strict=True))} for theta in thetas(result.x)]
     per_job = {block[0]: coeffs for block, coeffs in zip(prepared, out, strict=True) if block[0] is not None}
-    return dict(zip(names, (float(v) for v in np.exp(result.x[:n])), strict=True)), per_job
+    return {**fixed, **dict(zip(names, (float(v) for v in np.exp(result.x[:n])), strict=True))}, per_job
+
+
+def _active_coefficients(pairs: list[tuple[CaseRecord, Setup]], start: dict[str, float]) -> list[str]:
+    """The coefficients that move some case's theory: the fit leaves the rest where they start (a GPU type no case
+    ran, the sandbox of a library of math runs), which keeps its cost to what the cases can tell."""
+    f = Features([setup for _, setup in pairs])
+    base = _own_stage_sums(f, start)
+    active = []
+    for name in sorted(start):
+        moved = _own_stage_sums(f, {**start, name: start[name] * 1.01})
+        changed = any(np.any(moved[s] != base[s]) for s in STAGES)
+        if not changed:
+            changed = any(np.any(col(f, {**start, name: start[name] * 1.01}) != col(f, start)) for col in COUNT_COLUMNS.values()) \
+                or name.startswith("overlap_") or any(t.column and name in t.priors for t in TERMS)
+        if changed:
+            active.append(name)
+    return active
 
 
 def _number(x: Any) -> bool:
@@ -724,6 +1032,59 @@ def measured_stages(case: CaseRecord) -> dict[str, float]:
         "training": float(m.get("training_s", 0.0)) + float(m.get("old_logprob_s", 0.0) or 0.0),
         "weight_sync": float(m.get("weight_sync_s", 0.0)),
     }
+
+
+def known_stages(case: CaseRecord) -> dict[str, float | None]:
+    """The stage times a case measured, None for a stage its source did not publish.
+
+    A run rltune recorded measured all three (:func:`measured_stages`). An imported public run
+    (``origin: public``) has what its source published: a trainer benchmark (workload
+    ``trainer_only``) has no rollout and no weight sync (0 s each), and its training is the step
+    where only the step is published, or ``tokens_per_step`` over its throughput where only that is
+    (torchtitan publishes tokens/s/GPU alone).
+    """
+    if not case.public:
+        return dict(measured_stages(case))
+    m = case.measured
+    out: dict[str, float | None] = {stage: (float(m[column]) if _number(m.get(column)) else None) for stage, column in STAGE_COLUMN.items()}
+    if case.workload == TRAINER_ONLY_WORKLOAD:
+        out["rollout"], out["weight_sync"] = 0.0, 0.0
+        if out["training"] is None:
+            out["training"] = float(m["step_s"]) if _number(m.get("step_s")) else throughput_seconds(case)
+    elif case.rl_mode == "fully_async" and out["rollout"] is not None and _number(m.get("step_s")):
+        out["rollout"] = min(out["rollout"], float(m["step_s"]))
+    return out
+
+
+def throughput_seconds(case: CaseRecord) -> float | None:
+    """Seconds of one step from a published throughput: tokens_per_step / (tokens/s per GPU x GPUs, or tokens/s of all)."""
+    tokens = case.facts.get("tokens_per_step")
+    m = case.measured
+    if not _number(tokens) or tokens <= 0:
+        return None
+    if _number(m.get("tokens_per_s_per_gpu")) and m["tokens_per_s_per_gpu"] > 0 and case.gpus > 0:
+        return float(tokens) / (float(m["tokens_per_s_per_gpu"]) * case.gpus)
+    if _number(m.get("tokens_per_s_all_gpus")) and m["tokens_per_s_all_gpus"] > 0:
+        return float(tokens) / float(m["tokens_per_s_all_gpus"])
+    return None
+
+
+def case_step(case: CaseRecord) -> float | None:
+    """The step time a case measured; a trainer benchmark's step is its training; None where neither is known."""
+    if _number(case.measured.get("step_s")) and case.measured["step_s"] > 0:
+        return float(case.measured["step_s"])
+    if case.public and case.workload == TRAINER_ONLY_WORKLOAD:
+        return known_stages(case)["training"]
+    return None
+
+
+def combine_many(f: Features, sums: dict[str, np.ndarray]) -> np.ndarray:
+    """:func:`rltune.steps.combine` for many setups at once: each one's stages under its RL mode."""
+    r, t, w = sums["rollout"], sums["training"], sums["weight_sync"]
+    one_step = f.equals("rl_mode", "one_step_async", "sync")
+    fully = f.equals("rl_mode", "fully_async", "sync")
+    sync = 1.0 - one_step - fully
+    return sync * (r + t + w) + one_step * (np.maximum(r, t) + w) + fully * np.maximum(r, t + w)
 
 
 def _own_stage_sums(f: Features, coeffs: dict[str, float]) -> dict[str, np.ndarray]:
@@ -772,7 +1133,7 @@ def systematic_miss(cases: Sequence[CaseRecord], *, last: int = 10, min_bias: fl
     exceeds ``min_bias`` and at least ``share`` of the misses have its sign -- a systematic miss,
     the cue to refit the coefficients or add a term.
     """
-    with_forecast = [c for c in cases if c.status == "ok" and c.forecast][-last:]
+    with_forecast = [c for c in cases if c.usable and c.forecast][-last:]
     out: dict[str, float] = {}
     for stage in STAGES:
         column = STAGE_COLUMN[stage]
@@ -787,6 +1148,7 @@ def systematic_miss(cases: Sequence[CaseRecord], *, last: int = 10, min_bias: fl
     return out
 
 
-__all__ = ["COUNT_COLUMNS", "STAGES", "TERMS", "Features", "Term", "TheoryModel", "case_fit_weight", "device_class", "job_key",
+__all__ = ["COUNT_COLUMNS", "GPU_DATASHEET", "STAGES", "TERMS", "Features", "Term", "TheoryModel", "case_fit_weight", "case_step",
+           "combine_many", "device_class", "job_key", "known_stages", "throughput_seconds",
            "median_error", "modelled_settings", "pinned_coefficients", "prior_coefficients", "register_term", "stages_reading",
            "systematic_miss", "with_pinned"]

@@ -119,6 +119,7 @@ BAD_INPUTS = {
     "eval": (["eval", "--library", "{chain}/cases", "--out", "{chain}/runs/base/job.yaml"], "is a file"),
     "sync-bench": (["sync-bench", "--device", "tpu"], "--device 'tpu'"),
     "workload run": (["workload", "run", "{WORKLOAD}", "--steps", "0"], "--steps 0"),
+    "library import": (["library", "import", "{chain}/runs/base/job.yaml", "--library", "{chain}/cases"], "header, column"),
 }
 
 
@@ -233,5 +234,6 @@ def test_profile_interrupted_while_its_job_runs_exits_interrupted(tmp_path):
 def test_every_command_has_a_bad_input_case():
     from rltune.cli.main import COMMANDS
 
-    assert set(BAD_INPUTS) == {"workload run" if c == "workload" else c.replace("_", "-") for c in COMMANDS}
+    groups = {"workload": "workload run", "library": "library import"}  # a command group: its first subcommand
+    assert set(BAD_INPUTS) == {groups.get(c, c.replace("_", "-")) for c in COMMANDS}
     assert shutil.which("python3"), "the failing jobs run python3"

@@ -212,8 +212,8 @@ def _help(*command: str) -> str:
     return out.stdout
 
 
-@pytest.mark.parametrize("command", [*(c.replace("_", "-") for c in COMMANDS if c != "workload"),
-                                     "workload", "workload run", "workload check"])
+@pytest.mark.parametrize("command", [*(c.replace("_", "-") for c in COMMANDS if c not in ("workload", "library")),
+                                     "workload", "workload run", "workload check", "library", "library import"])
 def test_every_help_example_keeps_its_own_line(command):
     shown = [line.strip() for line in _help(*command.split()).splitlines()]
     examples = [line.strip() for line in _source_help(command).splitlines() if line.startswith("  rltune ")]
@@ -230,6 +230,8 @@ def _source_help(command: str) -> str:
         return module.RUN_HELP
     if command == "workload check":
         return module.CHECK_HELP
+    if command == "library import":
+        return module.IMPORT_HELP
     return module.HELP
 
 

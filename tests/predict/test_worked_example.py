@@ -26,7 +26,7 @@ BASE = {"rl_mode": "one_step_async", "mtp": False, "weight_dtype": "bf16", "kv_c
         "engine_max_concurrency": 64, "chunked_prefill": False, "pd_disaggregation": False}
 JOB = dict(job="qwen3.8-27b-math", model="Qwen3.8-27B", workload="math", device="H200", gpus=16)
 # A training theory that is purely proportional to the work, as in the seed's "scales by 2/3".
-THEORY = TheoryModel(coefficients={"gpu": {"training_fixed_s": 0.0, "s_per_micro_batch": 0.0}})
+THEORY = TheoryModel(coefficients={"gpu": {"training_fixed_s": 0.0, "s_per_micro_batch": 0.0, "dp_exposed": 0.0}})
 CASES = {  # name -> (tasks per batch, knob changes, training time after scaling to the target)
     "A": (32, {"mtp": True}, 54.40),
     "B": (48, {"weight_dtype": "fp8", "kv_cache_dtype": "fp8", "chunked_prefill": True}, None),
