@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The agentic job's tuning and the H200 small-math preset's reward check on one H100/H200, resumable
 # across calls of at most ~10 minutes: each call works in WORKDIR (carry it to the next call) and
-# copies WORKDIR into OUT when it stops (so it comes back), whether it finished or ran out of time.
+# archives WORKDIR into OUT/SECTION-work.tgz when it stops (so it comes back), finished or not.
 #
 # Usage: bench/gpu_agentic.sh SECTION WORKDIR OUT [SECONDS]
 #   auto          rltune auto presets/h200-small-tool-use.yaml --trials 12, journal in WORKDIR/tool
@@ -37,7 +37,10 @@ case $section in
   *) echo "unknown section $section (auto, math-reward)"; exit 2 ;;
 esac
 echo "$section: rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$work/calls.log"
-# What comes back: the work directory (journal, runs' stage tables and logs, tuned preset, report),
-# without weight files a run may have written (a filesystem or sparse-delta sync, the vLLM boot checkpoint).
-tar -C "$work" --exclude=weights --exclude=broadcast --exclude=engine-boot -cf - . | tar -C "$out" -xf -
+# What comes back: the work directory (journal, runs' stage tables and logs, tuned preset, report) as one
+# archive (a device call returns a few files, not a tree), without weight files a run may have written
+# (a filesystem or sparse-delta sync's checkpoints and broadcast store, the vLLM boot checkpoint).
+tar -C "$work" --exclude=weights --exclude=broadcast --exclude=engine-boot --exclude='*.safetensors' \
+  --exclude='*.delta' --exclude='*.anchor' -czf "$out/$section-work.tgz" .
+cp "$work/calls.log" "$out/" 2>/dev/null
 exit $rc
