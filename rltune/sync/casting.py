@@ -166,7 +166,7 @@ class CastLoads:
             if name not in self.held:
                 raise fmt.ChainError(f"{self.store.root}: {name} was never loaded into this engine; update first")
             for dst, src in self._pairs(name, self._values[name]):
-                if not torch.equal(_bits(dst), _bits(src.to(dst.dtype))):
+                if not torch.equal(_bits(dst), _bits(src.to(device=dst.device, dtype=dst.dtype))):
                     self.held.pop(name, None)
                     raise fmt.ChecksumMismatchError(
                         f"{self.store.root}: {name}: the engine's {dst.dtype} values are not the cast of the checkpoint "

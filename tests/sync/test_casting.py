@@ -71,3 +71,23 @@ def test_a_delta_that_changes_a_cast_tensor_is_refused_and_the_engine_keeps_its_
     for n, p in engine.named_parameters():
         assert torch.equal(p, held[n]), n
     assert rx.held is not None and rx.step == 0  # still valid at its last good step
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_cast_tensor_loads_by_value_beside_the_fused_patches(tmp_path):
+    tr = Trainer(tmp_path, interval=2)
+    tr.model.model.norm.weight.requires_grad_(False)
+    m0 = tr.pub.publish(0)
+    engine = _engine(engine_cfg(tr)).cuda()
+    spec = {n: (t["shape"], t["dtype"]) for n, t in m0["tensors"].items()}
+    rx = DeltaReceiver(tmp_path, engine, IndexMap.record(engine.recording_copy, spec), manifest=m0, fused=True,
+                       fused_backend="triton")
+    rx.load_latest()
+    for step in range(1, 4):
+        tr.train_step()
+        tr.pub.publish(step)
+        rx.apply(step)
+    want = _reference(engine_cfg(tr), tr.wire_state())
+    for (n, a), b in zip(engine.named_parameters(), want.parameters(), strict=True):
+        assert torch.equal(a.cpu(), b), n
+    rx.cast.verify()

@@ -151,3 +151,16 @@ def test_find_block_sees_one_place_several_places_and_none():
     assert _find_block(hay, -needle - 1) == []
     flat = torch.zeros(1000, dtype=torch.int16)  # a constant block sits everywhere: more than `most` places
     assert len(_find_block(flat, flat[:20], most=8)) == 9
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_fused_kernel_patches_the_followed_layout(run):
+    engine, rx = booted(run)
+    engine.cuda()  # booted and moved on the CPU, then served from the GPU
+    rx = DeltaReceiver(run["root"], engine, rx.imap, fused=True, fused_backend="triton")
+    assert rx.check_layout(boot_of(run)).runs_moved == 2 * run["cfg"].num_layers
+    for step in range(1, STEPS + 1):
+        rx.apply(step)
+    want = swapped_engine(run, STEPS)
+    for (n, a), b in zip(engine.named_parameters(), want.parameters(), strict=True):
+        assert torch.equal(a.cpu(), b), n

@@ -27,10 +27,7 @@ from vllm_helpers import (
 
 from rltune.sync import format as fmt
 
-# In 'make test-all' only for now: each of these passes run alone or as its own file, but four of them
-# fail when the whole suite runs them after the other vLLM tests in one process; until that is found
-# (issue: the engines users run) they stay out of 'make test' rather than make it flaky.
-pytestmark = [requires_vllm, pytest.mark.slow]
+pytestmark = requires_vllm
 
 EXPERT_PARAMS = [f"model.layers.{i}.mlp.experts.routed_experts.{leaf}"
                  for i in range(2) for leaf in ("w13_weight", "w2_weight")]

@@ -20,10 +20,7 @@ from vllm_helpers import (
     start_engine,
 )
 
-# In 'make test-all' only for now: each of these passes run alone or as its own file, but four of them
-# fail when the whole suite runs them after the other vLLM tests in one process; until that is found
-# (issue: the engines users run) they stay out of 'make test' rather than make it flaky.
-pytestmark = [requires_vllm, pytest.mark.slow]
+pytestmark = requires_vllm
 
 ROUTER = "model.layers.1.mlp.gate.weight"
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
