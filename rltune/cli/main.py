@@ -6,6 +6,8 @@ body, so ``rltune --help`` stays fast. Every :class:`~rltune.errors.RltuneError`
 becomes one line on stderr and its exit code; every warning of rltune's own categories becomes one
 ``rltune: warning: ...`` line, whichever command or module raised it.
 
+stdout holds only what a command prints for a machine (``--json``); logs, vLLM's included, go to stderr.
+
 Exit codes: README.md's "Exit codes" table is the one source (tests/cli/test_exit_codes.py checks
 every command against it).
 """
@@ -13,6 +15,7 @@ every command against it).
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import warnings
 
@@ -40,6 +43,9 @@ for _name in COMMANDS:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; return the process exit code."""
+    # stdout carries what a command prints for a machine (--json); vLLM logs to stdout unless told,
+    # in this process and in the worker processes it starts
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     with warnings.catch_warnings():  # restored on return: main() is also called in-process (tests)
         warnings.showwarning = _warning_printer(warnings.showwarning)
         return _run(argv)

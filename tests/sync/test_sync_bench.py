@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -118,22 +120,30 @@ def test_cli_prints_the_table_and_json(tmp_path, capsys):
 
 
 def test_the_vllm_row_patches_a_real_engine_on_the_sparse_files_and_every_update_verifies(tmp_path):
+    """The command as a user runs it, in its own process: an in-process vLLM engine leaves vLLM's
+    process-wide state (its distributed group, caches) behind, which later tests must not inherit."""
     from vllm_helpers import vllm_skip_reason
 
     if vllm_skip_reason() is not None:
         pytest.skip(vllm_skip_reason())
-    cfg = with_overrides(load_sync_bench_config(resolve_preset("cpu")), steps=2, warmup_steps=1, anchor_interval=2,
-                         transports=["sparse"], vllm=True)
-    result = run_sync_bench(cfg, tmp_path)
-    rows = [r for r in result.rows if r["transport"] == "sparse/vllm"]
+    preset = tmp_path / "cpu-anchor-2.yaml"
+    preset.write_text((PRESET_DIR / "cpu.yaml").read_text().replace("anchor_interval: 4", "anchor_interval: 2"))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "rltune.cli.main", "sync-bench", "--preset", str(preset), "--steps", "2",
+                           "--warmup-steps", "1", "--transports", "sparse", "--vllm", "--out", str(out), "--json",
+                           "--quiet"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    record = json.loads(proc.stdout)
+    table = pq.read_table(out / "sync-bench.parquet").to_pylist()
+    rows = [r for r in table if r["transport"] == "sparse/vllm"]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["verified"] == 1.0 and r["checksum_verified"] == 1.0 for r in rows)
     assert all(r["changes"] > 0 and r["prefetch_s"] is not None for r in rows if r["step"] != 2)
     # the same files: what the vLLM row reads is what the sparse row published
-    sparse = {r["step"]: r for r in result.rows if r["transport"] == "sparse"}
+    sparse = {r["step"]: r for r in table if r["transport"] == "sparse"}
     assert all(r["bytes"] == sparse[r["step"]]["bytes"] and r["publish_s"] == sparse[r["step"]]["publish_s"]
                for r in rows)
-    assert result.record["all_verified"] is True and "sparse/vllm" in result.record["transports"]
+    assert record["all_verified"] is True and "sparse/vllm" in record["transports"]
 
 
 def test_the_vllm_row_needs_the_sparse_transport(tmp_path):
