@@ -255,3 +255,74 @@ def test_a_transpose_is_a_permutation_and_is_accepted():
         assert torch.equal(built[name].view(torch.int16), state[name].t().contiguous().view(torch.int16))
         assert len(conv.runs(name)) == state[name].numel()  # a transpose moves every element on its own
     assert isinstance(conv, Conversion) and not conv.is_identity
+
+
+# -- FSDP2: the map recorded from a fully_shard model, each rank's own shard through runs_in ---------------
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fsdp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    # 3 experts and 95 vocabulary rows on 2 ranks: uneven shards (the last one shorter)
+    cfg = transformers.Qwen3MoeConfig(**{**SMALL, "vocab_size": 95}, intermediate_size=48, moe_intermediate_size=16,
+                                      num_experts=3, num_experts_per_tok=2)
+    model = transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+    unsharded = record_conversion(model).fingerprint()
+    if rank == 0:  # the weights before sharding: the reference checkpoint is written from them
+        torch.save({n: t.clone() for n, t in model.state_dict().items()}, os.path.join(out_dir, "full.pt"))
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    conv = record_conversion(model)
+    built = {n: torch.zeros(s, dtype=d).view(-1) for n, (s, d) in conv.checkpoint_tensors().items()}
+    writes = {n: torch.zeros(t.numel(), dtype=torch.int32) for n, t in built.items()}
+    uneven = 0
+    for name, p in model.state_dict().items():
+        assert p.placements == (Shard(0),), (name, p.placements)
+        local = p.to_local().reshape(-1)
+        rows = p.shape[0]
+        per_row = p.numel() // rows
+        a = min(rank * -(-rows // world), rows) * per_row  # FSDP2's dim-0 chunks: ceil(rows / world) rows each
+        uneven += int(local.numel() != -(-rows // world) * per_row)
+        for t0, n, ckpt, c0 in conv.runs_in(name, a, a + local.numel()):
+            built[ckpt][c0:c0 + n] = local[t0 - a:t0 - a + n]
+            writes[ckpt][c0:c0 + n] += 1
+    torch.save(dict(same=unsharded == conv.fingerprint(), uneven=uneven, built=built, writes=writes),
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned processes that import transformers: 15-30 s on the 2-core CI machine
+def test_a_fully_sharded_model_records_the_same_map_and_each_rank_maps_its_own_shard(tmp_path):
+    import torch.multiprocessing as mp
+
+    world = 2
+    mp.spawn(_fsdp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    assert all(r["same"] for r in ranks), "fully_shard changed the recorded map"
+    assert ranks[-1]["uneven"] > 0, "no uneven shard: the sweep misses FSDP2's shorter last shard"
+    cfg = transformers.Qwen3MoeConfig(**{**SMALL, "vocab_size": 95}, intermediate_size=48, moe_intermediate_size=16,
+                                      num_experts=3, num_experts_per_tok=2)
+    with torch.device("meta"):
+        reference = transformers.Qwen3MoeForCausalLM(cfg)
+    reference.load_state_dict(torch.load(tmp_path / "full.pt"), assign=True)
+    saved = _saved(reference, tmp_path / "ckpt")
+    for name, t in saved.items():
+        writes = sum(r["writes"][name] for r in ranks)
+        assert torch.equal(writes, torch.ones_like(writes)), name
+        built = sum(r["built"][name].view(torch.int16).to(torch.int32) for r in ranks)  # each element from one rank
+        assert torch.equal(built, t.reshape(-1).view(torch.int16).to(torch.int32)), name
