@@ -116,6 +116,7 @@ def _reload_weights(worker) -> None:
     worker.reload_weights(is_checkpoint_format=True)
 
 
+@pytest.mark.slow  # what vLLM's own reload does here depends on engines the process started before it: run it alone
 def test_vllms_own_reload_of_an_attached_cpu_moe_engine_breaks_it_and_rltune_refuses_to_patch_it(tmp_path):
     """vLLM 0.32's layerwise ``reload_weights`` cannot reload an attached CPU engine: it moves every parameter
     to the meta device, processes each layer again as it loads (the CPU GEMM repack empties ``weight``) and
