@@ -81,6 +81,14 @@ class ChunkHook(Protocol):
     def after(self, chunks: list[Chunk]) -> None: ...
 
 
+def local_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The tensor a rank holds of ``t``: a DTensor's local shard (FSDP2's sharded parameters, their
+    gradients and optimizer states), any other tensor itself. In-place writes to it are writes to
+    the DTensor; reading it runs no collective."""
+    local = getattr(t, "_local_tensor", None)
+    return t if local is None else local
+
+
 def _check_contiguous(params: list[torch.Tensor]) -> None:
     if not all(p.is_contiguous() for p in params):
         raise ChunkedStepError("chunked_step needs contiguous parameters; call .contiguous() on them before "
@@ -166,33 +174,44 @@ def _updates(optimizer, group_index: int, params: list[torch.Tensor], max_elemen
     return plans[group_index][1]
 
 
+def optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """One optimizer, or several stepping disjoint parameters (Muon with an AdamW beside it), as a list."""
+    return list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+
+
 @torch.no_grad()
-def chunked_step(optimizer: torch.optim.Optimizer, hook: ChunkHook | None = None,
+def chunked_step(optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer], hook: ChunkHook | None = None,
                  max_elements: int = DEFAULT_MAX_ELEMENTS) -> None:
     """One optimizer step in updates of at most ``max_elements`` with ``hook`` around each (see module doc)."""
     if max_elements <= 0:
         raise ChunkedStepError(f"max_elements must be positive, got {max_elements}")
     if hook is not None and hasattr(hook, "begin_step"):
         hook.begin_step()
-    if hasattr(optimizer, "step_chunk"):
-        _step_elementwise(optimizer, hook, max_elements)
-    elif isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
-        _step_adam(optimizer, hook, max_elements)
-    else:
-        raise ChunkedStepError(f"chunked_step supports Adam/AdamW and optimizers with step_chunk (SignSGD), not "
-                               f"{type(optimizer).__name__}")
+    for opt in optimizers(optimizer):
+        if hasattr(opt, "step_offloaded"):  # OffloadedAdamW: the step on the host, the delta at the copy-back
+            opt.step_offloaded(hook, max_elements)
+        elif hasattr(opt, "step_chunk"):
+            _step_elementwise(opt, hook, max_elements)
+        elif type(opt) is torch.optim.Muon:
+            _step_muon(opt, hook)
+        elif isinstance(opt, torch.optim.Adam):  # AdamW subclasses Adam
+            _step_adam(opt, hook, max_elements)
+        else:
+            raise ChunkedStepError(f"chunked_step supports Adam/AdamW, torch.optim.Muon, OffloadedAdamW and optimizers "
+                                   f"with step_chunk (SignSGD), not {type(opt).__name__}")
     if hook is not None and hasattr(hook, "end_step"):
         hook.end_step()
 
 
 def _step_elementwise(optimizer, hook, max_elements: int) -> None:
     for g, group in enumerate(optimizer.param_groups):
-        params = [p for p in group["params"] if p.grad is not None]
-        for update in _updates(optimizer, g, params, max_elements):
+        stepped = [p for p in group["params"] if p.grad is not None]
+        grad_of = {id(local_tensor(p)): local_tensor(p.grad) for p in stepped}
+        for update in _updates(optimizer, g, [local_tensor(p) for p in stepped], max_elements):
             if hook is not None:
                 hook.before(update)
             for p, a, b in update:
-                optimizer.step_chunk(p, p.grad, group, a, b)
+                optimizer.step_chunk(p, grad_of[id(p)], group, a, b)
             if hook is not None:
                 hook.after(update)
 
@@ -212,6 +231,10 @@ def _step_adam(optimizer: torch.optim.Adam, hook, max_elements: int) -> None:
         has_complex = optimizer._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps)
         if has_complex:
             raise ChunkedStepError("chunked AdamW does not support complex parameters")
+        # DTensor (FSDP2) parameters step as their local shards: the update is elementwise, so stepping
+        # the shard is the DTensor step, with no collective
+        params, grads, exp_avgs, exp_avg_sqs, max_sqs = ([local_tensor(t) for t in ts]
+                                                         for ts in (params, grads, exp_avgs, exp_avg_sqs, max_sqs))
         beta1, beta2 = group["betas"]
         step_adamw = getattr(hook, "step_adamw", None) if _fusable(group) else None
         hyper = {key: group[key] for key in ("lr", "betas", "weight_decay", "eps", "maximize")}
@@ -240,6 +263,35 @@ def _step_adam(optimizer: torch.optim.Adam, hook, max_elements: int) -> None:
                 hook.after(chunks)
         for i, (_, after) in split.items():
             steps[i].copy_(after)
+
+
+def _step_muon(optimizer, hook) -> None:
+    """torch.optim.Muon, one matrix an update, in the optimizer's own order: the same updates on every
+    rank, since a DTensor (FSDP2) matrix's Newton-Schulz iteration runs collectives over the whole
+    matrix (every rank steps every matrix, also one whose local shard is empty). The hook sees each
+    matrix's local shard around the write of the new weights."""
+    from torch.optim._muon import _single_tensor_muon
+
+    for g, group in enumerate(optimizer.param_groups):
+        params, grads, bufs = [], [], []
+        optimizer._init_group(group, params, grads, bufs)
+        plans = _PLANS.setdefault(optimizer, {})
+        key = ("muon", tuple(map(id, params)))
+        if group.get("foreach"):
+            raise ChunkedStepError("torch.optim.Muon has no foreach step; leave foreach unset")
+        if g not in plans or plans[g][0] != key:
+            plans[g] = (key, [Update([(local_tensor(p), 0, local_tensor(p).numel())], [(i, 0, local_tensor(p).numel())])
+                              for i, p in enumerate(params)])
+        for p, grad, buf, update in zip(params, grads, bufs, plans[g][1], strict=True):
+            _check_contiguous([update[0][0]])
+            if hook is not None:
+                hook.before(update)
+            _single_tensor_muon([p], [grad], [buf], lr=group["lr"], weight_decay=group["weight_decay"],
+                                momentum=group["momentum"], nesterov=group["nesterov"],
+                                ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"],
+                                eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"], has_complex=False)
+            if hook is not None:
+                hook.after(update)
 
 
 @dataclass
@@ -298,6 +350,10 @@ class DeltaRecorder:
     rows); the chunks are clamped to them, an update holding none is not looked at, and only an update
     that holds nothing else is stepped by the sink. None: every element.
 
+    ``origins``: ``{name: first element}``, where the stepped tensor's element 0 lies in the whole
+    tensor (an FSDP2 rank's local shard of a DTensor parameter); recorded indices and checksums are
+    of the whole tensor. None: 0 for every tensor.
+
     ``sink=False``: no :class:`~rltune.sync.kernels.ChangeSink`. Each chunk's old wire bits are copied
     before its update and diffed by the torch reference right after it, into tensors of their own on
     the parameters' device: no capacity bound, two host syncs per chunk. :meth:`collect_deltas` then
@@ -307,8 +363,10 @@ class DeltaRecorder:
     def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], max_elements: int = DEFAULT_MAX_ELEMENTS,
                  wire_dtype: torch.dtype | None = None, capacity_fraction: float = 0.25, backend: str = "auto",
                  outputs: str = "host", fuse_adamw: str | bool = "auto", *,
-                 ranges: Mapping[str, tuple[int, int]] | None = None, sink: bool = True):
+                 ranges: Mapping[str, tuple[int, int]] | None = None, sink: bool = True,
+                 origins: Mapping[str, int] | None = None):
         self.params = dict(named_params)
+        self.origins = {n: int((origins or {}).get(n, 0)) for n in self.params}
         if not self.params:
             raise ChunkedStepError("DeltaRecorder needs at least one parameter")
         if not 0 < capacity_fraction <= 1:
@@ -364,7 +422,7 @@ class DeltaRecorder:
                     mine.append((name, p, max(a, lo), min(b, hi)))
             prepared = None
             if mine:
-                offsets = [a for _, _, a, _ in mine]
+                offsets = [a + self.origins[n] for n, _, a, _ in mine]  # positions in the whole tensor
                 group = None if self.sink is None else self.sink.group([b - a for _, _, a, b in mine], offsets)
                 prepared = _Prepared([n for n, _, _, _ in mine], offsets,
                                      [p.detach().view(-1)[a:b] for _, p, a, b in mine], self._dtype(mine[0][1]),
@@ -509,5 +567,5 @@ class DeltaRecorder:
                                         f"{len(per_name)} tensors ({first}{', ...' if len(per_name) > 3 else ''})")
 
 
-__all__ = ["AdamWUpdate", "ChunkDelta", "ChunkHook", "ChunkedStepError", "DeltaRecorder", "NonFiniteChangesError",
+__all__ = ["local_tensor", "optimizers", "AdamWUpdate", "ChunkDelta", "ChunkHook", "ChunkedStepError", "DeltaRecorder", "NonFiniteChangesError",
            "TensorChanges", "UnknownParameterError", "Update", "chunked_step"]

@@ -53,6 +53,8 @@ from rltune.sync.chunked import (
     NonFiniteChangesError,
     UnknownParameterError,
     chunked_step,
+    local_tensor,
+    optimizers,
 )
 from rltune.sync.kernels import ChangeCapacityError, KernelBackendError, checksum_pairs
 from rltune.sync.kernels.reference import MASK64, checksum2_add, diff_ref
@@ -91,6 +93,58 @@ _SHARE_BATCH_BYTES = 256 << 20  # wire bits checksummed together by one live che
 
 class PublisherConfigError(RltuneError):
     """A DeltaPublisher option is invalid, or the model and optimizer it was given do not fit together."""
+
+
+class UnmappablePlacementError(PublisherConfigError):
+    """A DTensor parameter is laid out in a way the publisher cannot map to its flat range of the whole
+    tensor (a dim other than 0 sharded, a tensor-parallel or strided placement, a mesh other than
+    (shard) or (replicate, shard))."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """How an FSDP2 (``fully_shard``) model's DTensor parameters are spread: this rank's place in the
+    shard group, and whether it publishes (HSDP: only replicate coordinate 0 writes; the other
+    replicas hold the same shards)."""
+
+    rank: int
+    """This rank's coordinate in the shard dim of the mesh."""
+    world: int
+    """Ranks in one shard group (the mesh's shard dim)."""
+    publishes: bool
+    """False on an HSDP replica other than the first: it steps but writes nothing."""
+
+
+def shard_layout(state: dict[str, torch.Tensor]) -> ShardLayout | None:
+    """The :class:`ShardLayout` of a model's state (``state_dict(keep_vars=True)``), or None when it
+    holds no DTensor. Refuses, naming the first tensor and its placement, any DTensor that is not
+    ``Shard(0)`` on a 1-D mesh or ``(Replicate(), Shard(0))`` on a 2-D one, and DTensors on different
+    meshes. Reads only the tensors' specs: no collective."""
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+    except ImportError:  # a torch without distributed
+        return None
+    mesh, layout = None, None
+    for name, t in state.items():
+        if not isinstance(t, DTensor):
+            continue
+        places = tuple(t.placements)
+        fsdp = (len(places) == 1 and type(places[0]) is Shard and places[0].dim == 0) or (
+            len(places) == 2 and type(places[0]) is Replicate and type(places[1]) is Shard and places[1].dim == 0)
+        if not fsdp or t.dim() == 0:
+            raise UnmappablePlacementError(
+                f"parameter {name}: placement {places} on a {t.device_mesh.ndim}-D mesh; DeltaPublisher maps FSDP2 "
+                "shards only: (Shard(0),) on a 1-D mesh or (Replicate(), Shard(0)) on a 2-D (HSDP) mesh. Shard "
+                "this parameter with fully_shard's default placement (dim 0), or leave it unsharded")
+        if mesh is None:
+            mesh = t.device_mesh
+            shard_dim = mesh.ndim - 1
+            layout = ShardLayout(rank=mesh.get_local_rank(shard_dim), world=mesh.size(shard_dim),
+                                 publishes=mesh.ndim == 1 or mesh.get_local_rank(0) == 0)
+        elif t.device_mesh != mesh:
+            raise UnmappablePlacementError(f"parameter {name}: on mesh {t.device_mesh}, other parameters on {mesh}; "
+                                           "DeltaPublisher needs every DTensor on one mesh")
+    return layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +267,18 @@ class DeltaPublisher:
             config = DeltaPublisherConfig(**overrides)
         elif overrides:
             config = dataclasses.replace(config, **overrides)
+        state = model.state_dict(keep_vars=True)
+        # FSDP2: the mesh says who this rank is; nothing is written before the placements are checked
+        self.layout = shard_layout(state)
+        if self.layout is not None:
+            given = {k: getattr(config, k) for k in ("rank", "world") if k in overrides or
+                     getattr(config, k) != getattr(DeltaPublisherConfig, k)}
+            want = dict(rank=self.layout.rank, world=self.layout.world)
+            if any(given[k] != want[k] for k in given):
+                raise PublisherConfigError(f"DeltaPublisher: rank/world {given} disagree with the FSDP2 mesh's shard "
+                                           f"group {want}; leave rank and world out for a sharded model")
+            config = dataclasses.replace(config, **want)
+        self.publishes = self.layout is None or self.layout.publishes
         self.config = config
         self.model, self.optimizer, self.root = model, optimizer, Path(root)
         self.interval, self.rank, self.world = config.interval, config.rank, config.world
@@ -225,9 +291,9 @@ class DeltaPublisher:
         self.finalize_timeout_s, self.dense_fraction = config.finalize_timeout_s, config.dense_fraction
         self.encoder, self.differ = config.encoder, config.differ
         self.change_capacity, self.fuse_step = config.change_capacity, config.fuse_step
-        self.root.mkdir(parents=True, exist_ok=True)
+        if self.publishes:
+            self.root.mkdir(parents=True, exist_ok=True)
 
-        state = model.state_dict(keep_vars=True)
         self.names: list[str] = list(state)
         self.tensors: dict[str, torch.Tensor] = {}
         self.tied_to: dict[str, str | None] = {}
@@ -238,8 +304,9 @@ class DeltaPublisher:
             first_by_storage.setdefault(key, name)
             self.tensors[name] = t
         self.first_names = [n for n in self.names if self.tied_to[n] is None]
-        stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        stepped = {id(p) for opt in optimizers(optimizer) for g in opt.param_groups for p in g["params"]}
         self.static_names = [n for n in self.first_names if id(self.tensors[n]) not in stepped]
+        self.shapes = {n: list(t.shape) for n, t in self.tensors.items()}  # a DTensor's shape is the whole tensor's
         self.ranges = {n: self._rank_range(self.tensors[n]) for n in self.names}
         for n in self.names:
             wire = self._wire_dtype(n)
@@ -261,7 +328,8 @@ class DeltaPublisher:
     # -------------------------------------------------------------------------------- helpers
 
     def _make_recorder(self, stepped: set[int]) -> DeltaRecorder:
-        named = [(n, self.tensors[n]) for n in self.first_names if id(self.tensors[n]) in stepped]
+        # the tensors as the chunked step writes them: a DTensor's local shard (element 0 at its range's start)
+        named = [(n, local_tensor(self.tensors[n])) for n in self.first_names if id(self.tensors[n]) in stepped]
         if not named:
             raise PublisherConfigError("the optimizer steps none of the tensors of the model given to DeltaPublisher; "
                                        "build the optimizer from that model's parameters")
@@ -274,7 +342,8 @@ class DeltaPublisher:
         try:
             return DeltaRecorder(named, self.chunk_elements, self.wire_dtype, self.change_capacity, backend="triton",
                                  outputs="device", fuse_adamw="auto" if self.fuse_step else False,
-                                 ranges={n: self.ranges[n] for n, _ in named}, sink=sink)
+                                 ranges={n: self._stepped_range(n) for n, _ in named}, sink=sink,
+                                 origins={n: self._origin(n) for n, _ in named})
         except KernelBackendError:
             raise PublisherConfigError("differ='triton' on CPU weights needs TRITON_INTERPRET=1 in the environment before "
                              "triton is imported; use differ='auto' for the torch reference") from None
@@ -283,7 +352,39 @@ class DeltaPublisher:
         t = self.tensors[name]
         return self.wire_dtype if (self.wire_dtype is not None and t.is_floating_point()) else t.dtype
 
+    def _sharded(self, name: str) -> bool:
+        return local_tensor(self.tensors[name]) is not self.tensors[name]
+
+    def _origin(self, name: str) -> int:
+        """Where element 0 of the tensor the step writes lies in the whole tensor (a shard's range start)."""
+        return self.ranges[name][0] if self._sharded(name) else 0
+
+    def _stepped_range(self, name: str) -> tuple[int, int]:
+        """This rank's range in the flat elements of the tensor the step writes."""
+        a, b = self.ranges[name]
+        return (0, b - a) if self._sharded(name) else (a, b)
+
+    def _local(self, name: str) -> torch.Tensor:
+        """The flat elements ``ranges[name]`` this rank publishes, as a view of what it holds (a shard's
+        local tensor, or its rows of a full tensor)."""
+        t = self.tensors[name]
+        if self._sharded(name):
+            return local_tensor(t).detach().reshape(-1)
+        a, b = self.ranges[name]
+        return t.detach().reshape(-1)[a:b]
+
     def _rank_range(self, t: torch.Tensor) -> tuple[int, int]:
+        local = local_tensor(t)
+        if local is not t:  # an FSDP2 shard: the flat range its rows cover (torch.chunk: the last short or empty)
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+            if tuple(shape) != tuple(local.shape) or not local.is_contiguous():
+                raise UnmappablePlacementError(f"a DTensor of shape {tuple(t.shape)} holds a local {tuple(local.shape)} "
+                                               f"tensor, its placements {tuple(t.placements)} say {tuple(shape)}")
+            per_row = t.numel() // max(1, t.shape[0])
+            start = min(offset[0], t.shape[0]) * per_row
+            return start, start + local.numel()
         if self.world == 1 or t.dim() == 0:
             return (0, t.numel()) if self.rank == 0 else (0, 0)
         rows, per_row = t.shape[0], t.numel() // max(1, t.shape[0])
@@ -291,8 +392,7 @@ class DeltaPublisher:
         return r0 * per_row, r1 * per_row
 
     def _bits(self, name: str) -> torch.Tensor:
-        a, b = self.ranges[name]
-        return wire_bits(self.tensors[name], self._wire_dtype(name))[a:b]
+        return wire_bits(self._local(name), self._wire_dtype(name))
 
     def _shares(self, names: list[str]) -> dict[str, tuple[int, int]]:
         """(checksum, checksum2) of this rank's share of each name, from the live weights, in batches of
@@ -307,7 +407,7 @@ class DeltaPublisher:
             a, b = self.ranges[name]
             held += (b - a) * fmt.wire_dtype(self._wire_dtype(name)).bits // 8
             if held >= _SHARE_BATCH_BYTES or at == len(names) - 1:
-                shares = [self.tensors[n].detach().reshape(-1)[slice(*self.ranges[n])] for n in batch]
+                shares = [self._local(n) for n in batch]
                 pairs = checksum_pairs(shares, [self.ranges[n][0] for n in batch], wire_dtype=self.wire_dtype)
                 out.update(zip(batch, pairs, strict=True))
                 batch, held = [], 0
@@ -327,6 +427,9 @@ class DeltaPublisher:
             raise fmt.ChainError("publish the boot checkpoint (publish(0)) before the first optimizer step, so the "
                                  "engines have a base for the first delta")
         try:
+            if not self.publishes:  # an HSDP replica other than the first: its shard group's first replica records
+                chunked_step(self.optimizer, None, self.chunk_elements)
+                return
             chunked_step(self.optimizer, self.recorder, self.chunk_elements)
         except UnknownParameterError:
             raise PublisherConfigError("the optimizer steps a parameter that is not in the model given to DeltaPublisher "
@@ -416,6 +519,9 @@ class DeltaPublisher:
         """Publish broadcast ``step``; return the manifest on rank 0, None on other ranks."""
         if self._last_step is not None and step <= self._last_step:
             raise fmt.ChainError(f"publish({step}) after publish({self._last_step}): steps must increase")
+        if not self.publishes:  # an HSDP replica: the first replica of its shard group writes these shards
+            self._last_step, self._last_attempt = step, self.attempt_id(step)
+            return None
         step_dir = self.root / fmt.step_dir_name(step)
         attempt = self.attempt_id(step)
         # the checks that can refuse this publish come before any file of it is named in the store (a
@@ -467,7 +573,7 @@ class DeltaPublisher:
             self._anchors.append(step)
         if self.rank != 0:
             return None
-        tensors = {n: dict(dtype=fmt.wire_dtype(self._wire_dtype(n)).name, shape=list(self.tensors[n].shape),
+        tensors = {n: dict(dtype=fmt.wire_dtype(self._wire_dtype(n)).name, shape=self.shapes[n],
                            checksum="0", checksum2="0", tied_to=self.tied_to[n]) for n in self.names}
         manifest = store.finalize_step(step_dir, dict(run_id=self.run_id, attempt=attempt, step=step, kind=kind,
                                                       base_step=base_step, base_attempt=base_attempt,
