@@ -188,16 +188,14 @@ def chunked_step(optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
     if hook is not None and hasattr(hook, "begin_step"):
         hook.begin_step()
     for opt in optimizers(optimizer):
-        if hasattr(opt, "step_offloaded"):  # OffloadedAdamW: the step on the host, the delta at the copy-back
-            opt.step_offloaded(hook, max_elements)
-        elif hasattr(opt, "step_chunk"):
+        if hasattr(opt, "step_chunk"):
             _step_elementwise(opt, hook, max_elements)
         elif type(opt) is torch.optim.Muon:
             _step_muon(opt, hook)
         elif isinstance(opt, torch.optim.Adam):  # AdamW subclasses Adam
             _step_adam(opt, hook, max_elements)
         else:
-            raise ChunkedStepError(f"chunked_step supports Adam/AdamW, torch.optim.Muon, OffloadedAdamW and optimizers "
+            raise ChunkedStepError(f"chunked_step supports Adam/AdamW, torch.optim.Muon and optimizers "
                                    f"with step_chunk (SignSGD), not {type(opt).__name__}")
     if hook is not None and hasattr(hook, "end_step"):
         hook.end_step()
@@ -567,5 +565,5 @@ class DeltaRecorder:
                                         f"{len(per_name)} tensors ({first}{', ...' if len(per_name) > 3 else ''})")
 
 
-__all__ = ["local_tensor", "optimizers", "AdamWUpdate", "ChunkDelta", "ChunkHook", "ChunkedStepError", "DeltaRecorder", "NonFiniteChangesError",
-           "TensorChanges", "UnknownParameterError", "Update", "chunked_step"]
+__all__ = ["AdamWUpdate", "ChunkDelta", "ChunkHook", "ChunkedStepError", "DeltaRecorder", "NonFiniteChangesError",
+           "TensorChanges", "UnknownParameterError", "Update", "chunked_step", "local_tensor", "optimizers"]

@@ -306,7 +306,6 @@ class DeltaPublisher:
         self.first_names = [n for n in self.names if self.tied_to[n] is None]
         stepped = {id(p) for opt in optimizers(optimizer) for g in opt.param_groups for p in g["params"]}
         self.static_names = [n for n in self.first_names if id(self.tensors[n]) not in stepped]
-        self.shapes = {n: list(t.shape) for n, t in self.tensors.items()}  # a DTensor's shape is the whole tensor's
         self.ranges = {n: self._rank_range(self.tensors[n]) for n in self.names}
         for n in self.names:
             wire = self._wire_dtype(n)
@@ -573,7 +572,8 @@ class DeltaPublisher:
             self._anchors.append(step)
         if self.rank != 0:
             return None
-        tensors = {n: dict(dtype=fmt.wire_dtype(self._wire_dtype(n)).name, shape=self.shapes[n],
+        # a DTensor's shape is the whole tensor's
+        tensors = {n: dict(dtype=fmt.wire_dtype(self._wire_dtype(n)).name, shape=list(self.tensors[n].shape),
                            checksum="0", checksum2="0", tied_to=self.tied_to[n]) for n in self.names}
         manifest = store.finalize_step(step_dir, dict(run_id=self.run_id, attempt=attempt, step=step, kind=kind,
                                                       base_step=base_step, base_attempt=base_attempt,
