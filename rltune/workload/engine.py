@@ -13,11 +13,14 @@ The KV budget (``kv_cache_tokens`` = rows x padded length) caps admission; when 
 would exceed it, the newest sequence is preempted: its cache is dropped and it is re-queued to be
 prefilled again (recompute), keeping what it had generated.
 
+A request's tokens are drawn with its own uniforms (rltune.workload.sampling, from its
+``sample_key`` and the job's seed): which engine serves it and what shares its batch do not change them.
+
 Weights change only between decode steps; a sequence records the oldest weight version that
 produced any of its tokens.
 
 Messages in (one ``mp.Queue`` per engine): ``("generate", req_id, prompt_ids, max_new_tokens,
-temperature, submit_monotonic)``, ``("cancel", req_id)``, ``("load", version, message)``, ``("stats",)``, ``("stop",)``.
+temperature, submit_monotonic, sample_key)``, ``("cancel", req_id)``, ``("load", version, message)``, ``("stats",)``, ``("stop",)``.
 A load goes through the weight-sync transport's loader (:class:`WeightLoads`): its reads start
 when the message arrives and the engine keeps decoding; it pauses for the in-place update once
 they are done.
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rltune.workload.heap import frozen_heap
+from rltune.workload.sampling import sample, seeded_key
 
 
 @dataclass
@@ -65,6 +69,7 @@ class _Sequence:
     max_new_tokens: int
     temperature: float
     submitted: float
+    key: int  # the request's draws (rltune.workload.sampling.seeded_key)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     version: int | None = None
@@ -112,7 +117,6 @@ class Engine:
         self.cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.eos = TOKENIZER.eos_id
         self.pad = TOKENIZER.pad_id
-        self.generator = torch.Generator(device=self.device).manual_seed(settings.sample_seed + 7919 * index)
         self.loads = WeightLoads(settings.loader, self.model, index, out_queue)
         self.version = 0
         self.warm_up_s = 0.0
@@ -209,8 +213,9 @@ class Engine:
     def handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "generate":
-            _, req_id, prompt, max_new, temperature, submitted = msg
-            self.waiting.append(_Sequence(req_id, list(prompt), int(max_new), float(temperature), submitted))
+            _, req_id, prompt, max_new, temperature, submitted, key = msg
+            self.waiting.append(_Sequence(req_id, list(prompt), int(max_new), float(temperature), submitted,
+                                          seeded_key(self.s.sample_seed, int(key))))
         elif kind == "cancel":
             # A trial that was cut off no longer wants this request: drop it wherever it is.
             self.cancelled.add(msg[1])
@@ -316,7 +321,10 @@ class Engine:
         torch = self.torch
         temps = torch.tensor([self.running[r].temperature for r in rows], device=self.device).unsqueeze(-1)
         logp = torch.log_softmax(logits_BV.float() / temps, dim=-1)
-        picked = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)
+        seqs = [self.running[r] for r in rows]
+        keys = torch.tensor([s.key for s in seqs], dtype=torch.int64, device=self.device)
+        positions = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.int64, device=self.device)
+        picked = sample(logp, keys, positions)
         picked_logp = logp.gather(-1, picked.unsqueeze(-1)).squeeze(-1)
         row_index = torch.tensor(rows, device=self.device)
         self.last_tokens[row_index] = picked

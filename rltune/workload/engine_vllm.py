@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from rltune.errors import RltuneError, UnknownKeyError, WrongTypeError
 from rltune.workload.engine import WeightLoads, drain
+from rltune.workload.sampling import seeded_key
 
 if TYPE_CHECKING:
     from rltune.workload.config import WorkloadConfig
@@ -404,6 +405,10 @@ class _Base:
         self.loads: WeightLoads | None = None  # set in start(), on the engine's RPC handle
 
     # subclasses: start, submit, cancel, idle, serving, pump, snapshot, close
+    def request_seed(self, key: int) -> int:
+        """vLLM's per-request seed for a request's ``sample_key``, mixed with the job's seed."""
+        return seeded_key(int(self.s.engine_args.get("seed") or 0), key) & 0x7FFFFFFF
+
     def attach(self, rpc) -> dict[str, Any]:
         """Hand the transport's loader the engine's RPC handle, before the engine serves."""
         self.loads = WeightLoads(self.s.loader, rpc, self.index, self.out)
@@ -430,8 +435,8 @@ class _Base:
     def handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "generate":
-            _, req_id, prompt, max_new, temperature, submitted = msg
-            self.submit(int(req_id), list(prompt), int(max_new), float(temperature))
+            _, req_id, prompt, max_new, temperature, submitted, key = msg
+            self.submit(int(req_id), list(prompt), int(max_new), float(temperature), int(key))
         elif kind == "cancel":
             self.cancelled.add(int(msg[1]))
             self.cancel(int(msg[1]))
@@ -462,8 +467,12 @@ class _Base:
         }))
 
 
-def _sampling(max_new: int, temperature: float, eos: int) -> dict[str, Any]:
-    return dict(max_tokens=max_new, temperature=temperature, logprobs=0, stop_token_ids=[eos], detokenize=False)
+def _sampling(max_new: int, temperature: float, eos: int, seed: int | None = None) -> dict[str, Any]:
+    """A request's sampling parameters. ``seed`` (vLLM's per-request seed) gives the request its own
+    generator, as the HF engine's requests have (rltune.workload.sampling): its draws do not depend on
+    what the batch it shares drew before it."""
+    return dict(max_tokens=max_new, temperature=temperature, logprobs=0, stop_token_ids=[eos], detokenize=False,
+                **({} if seed is None else {"seed": seed}))
 
 
 class OfflineEngine(_Base):
@@ -526,11 +535,12 @@ class OfflineEngine(_Base):
     def serving(self) -> bool:
         return self.engine.has_unfinished_requests()
 
-    def submit(self, req_id: int, prompt: list[int], max_new: int, temperature: float) -> None:
+    def submit(self, req_id: int, prompt: list[int], max_new: int, temperature: float, key: int) -> None:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(**_sampling(max_new, temperature, self.s.eos_id), output_kind=RequestOutputKind.FINAL_ONLY)
+        params = SamplingParams(**_sampling(max_new, temperature, self.s.eos_id, self.request_seed(key)),
+                                output_kind=RequestOutputKind.FINAL_ONLY)
         internal = self.engine.add_request(str(req_id), {"prompt_token_ids": prompt}, params)
         self.requests[str(req_id)] = req_id
         self.requests[internal] = req_id
@@ -665,9 +675,10 @@ class ServedEngine(_Base):
             return raw.decode("utf-8", "replace")
         return json.loads(raw) if raw else None
 
-    def _body(self, request_id: str, prompt: list[int], max_new: int, temperature: float) -> dict[str, Any]:
+    def _body(self, request_id: str, prompt: list[int], max_new: int, temperature: float,
+              seed: int | None = None) -> dict[str, Any]:
         return dict(request_id=request_id, token_ids=prompt, model=self.s.boot_dir,
-                    sampling_params=_sampling(max_new, temperature, self.s.eos_id))
+                    sampling_params=_sampling(max_new, temperature, self.s.eos_id, seed))
 
     def _after_update(self) -> None:
         self._http("POST", "/reset_prefix_cache")
@@ -683,14 +694,15 @@ class ServedEngine(_Base):
     def pump(self) -> None:
         pass
 
-    def submit(self, req_id: int, prompt: list[int], max_new: int, temperature: float) -> None:
+    def submit(self, req_id: int, prompt: list[int], max_new: int, temperature: float, key: int) -> None:
         with self.lock:
             self.outstanding += 1
-        self.pool.submit(self._generate, req_id, prompt, max_new, temperature)
+        self.pool.submit(self._generate, req_id, prompt, max_new, temperature, key)
 
-    def _generate(self, req_id: int, prompt: list[int], max_new: int, temperature: float) -> None:
+    def _generate(self, req_id: int, prompt: list[int], max_new: int, temperature: float, key: int) -> None:
         try:
-            out = self._http("POST", "/inference/v1/generate", self._body(f"rltune-{req_id}", prompt, max_new, temperature))
+            out = self._http("POST", "/inference/v1/generate",
+                             self._body(f"rltune-{req_id}", prompt, max_new, temperature, self.request_seed(key)))
             choice = out["choices"][0]
             tokens = list(choice["token_ids"])
             content = (choice.get("logprobs") or {}).get("content") or []

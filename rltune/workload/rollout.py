@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from rltune.errors import RltuneError
 from rltune.workload.config import WorkloadConfig
 from rltune.workload.envs import Task, make_math_task, make_tool_task, partial_credit, tool_observation
+from rltune.workload.sampling import request_key
 from rltune.workload.sandbox import ImageSpec, SandboxLimits
 from rltune.workload.tokenizer import TOKENIZER
 
@@ -140,7 +141,11 @@ class EngineClient:
             if not fut.done():
                 fut.set_exception(EngineError(text))
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float) -> tuple[int, Future]:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float,
+                 sample_key: int = 0) -> tuple[int, Future]:
+        """Queue one request on the least loaded engine. ``sample_key`` names the request's random draws
+        (see :func:`rltune.workload.engine.request_key`): the same key, prompt and weights sample the same
+        tokens whichever engine serves it, next to whichever other requests."""
         fut: Future = Future()
         with self._lock:
             if self._error:
@@ -151,7 +156,8 @@ class EngineClient:
             engine = min(range(len(self._outstanding)), key=self._outstanding.__getitem__)
             self._outstanding[engine] += 1
             self._pending[req_id] = (engine, fut)
-        self.in_queues[engine].put(("generate", req_id, prompt_ids, max_new_tokens, temperature, time.monotonic()))
+        self.in_queues[engine].put(("generate", req_id, prompt_ids, max_new_tokens, temperature, time.monotonic(),
+                                    sample_key))
         return req_id, fut
 
     def cancel(self, req_id: int) -> None:
@@ -303,9 +309,10 @@ class Rollout:
         return group_future
 
     # -- trials -----------------------------------------------------------------------------------
-    def _turn(self, traj: Trajectory, context: list[int], max_new: int, deadline: float) -> list[int] | None:
-        """One model turn; None if the trial's time ran out first (the request is cancelled)."""
-        req_id, fut = self.client.generate(list(context), max_new, self.env.temperature)
+    def _turn(self, traj: Trajectory, context: list[int], max_new: int, deadline: float, key: str) -> list[int] | None:
+        """One model turn; None if the trial's time ran out first (the request is cancelled). ``key`` names
+        the turn (task, trial, turn): its draws depend on it alone, not on when the request reached an engine."""
+        req_id, fut = self.client.generate(list(context), max_new, self.env.temperature, request_key(key))
         try:
             result = fut.result(timeout=max(0.0, deadline - time.monotonic()))
         except TimeoutError:
@@ -334,7 +341,7 @@ class Rollout:
         try:
             if self.env.kind == "math":
                 deadline = started + self.env.trial_timeout_s
-                tokens = self._turn(traj, traj.tokens, self.env.max_new_tokens, deadline)
+                tokens = self._turn(traj, traj.tokens, self.env.max_new_tokens, deadline, f"{task.task_id}:{index}:0")
                 if tokens is not None:
                     traj.reward = partial_credit(TOKENIZER.decode(tokens), task.answer)
             else:
@@ -381,7 +388,8 @@ class Rollout:
             room = self.env.context_limit_tokens - len(traj.tokens)
             if room < 1:
                 break
-            tokens = self._turn(traj, traj.tokens, min(self.env.max_new_tokens, room), deadline)
+            tokens = self._turn(traj, traj.tokens, min(self.env.max_new_tokens, room), deadline,
+                                f"{task.task_id}:{index}:{turn}")
             if tokens is None:
                 break
             final_text = TOKENIZER.decode(tokens)

@@ -33,9 +33,9 @@ def make_engine(batching="continuous", max_seqs=4, kv_tokens=4096):
     return Engine(0, settings, out), out
 
 
-def drive(engine, out, prompts, max_new=12, temperature=1.0):
+def drive(engine, out, prompts, max_new=12, temperature=1.0, keys=None):
     for i, prompt in enumerate(prompts):
-        engine.handle(("generate", i, prompt, max_new, temperature, 0.0))
+        engine.handle(("generate", i, prompt, max_new, temperature, 0.0, keys[i] if keys else i))
     steps = 0
     while engine.step():
         steps += 1
@@ -97,7 +97,7 @@ def test_engine_logprobs_match_a_full_forward(batching, max_seqs, kv_tokens):
 def test_static_batching_admits_only_when_the_batch_is_empty():
     engine, out = make_engine("static", max_seqs=4)
     for i, prompt in enumerate(PROMPTS):
-        engine.handle(("generate", i, prompt, 6, 1.0, 0.0))
+        engine.handle(("generate", i, prompt, 6, 1.0, 0.0, i))
     engine.step()
     assert len(engine.running) == 4 and len(engine.waiting) == 4
     while engine.running:
@@ -107,8 +107,8 @@ def test_static_batching_admits_only_when_the_batch_is_empty():
 
 def test_a_cancelled_request_returns_nothing():
     engine, out = make_engine("continuous", max_seqs=1)
-    engine.handle(("generate", 0, PROMPTS[0], 5, 1.0, 0.0))
-    engine.handle(("generate", 1, PROMPTS[1], 5, 1.0, 0.0))
+    engine.handle(("generate", 0, PROMPTS[0], 5, 1.0, 0.0, 0))
+    engine.handle(("generate", 1, PROMPTS[1], 5, 1.0, 0.0, 1))
     engine.handle(("cancel", 1))  # still waiting: dropped from the queue
     engine.step()
     engine.handle(("cancel", 0))  # running: dropped at its next token
@@ -220,7 +220,7 @@ def test_warm_up_runs_prefill_and_decode_and_changes_nothing_a_request_sees():
 def test_an_engine_whose_orchestrator_died_stops_serving():
     engine, out = make_engine()
     requests: queue.Queue = queue.Queue()
-    requests.put(("generate", 0, PROMPTS[0], 12, 1.0, 0.0))
+    requests.put(("generate", 0, PROMPTS[0], 12, 1.0, 0.0, 0))
     engine.parent_pid = -1  # as after the orchestrator was killed and the engine re-parented
     engine.serve(requests)  # returns instead of looping forever
     assert out.get_nowait()[0] == "ready" and out.empty() and engine.counters["gen_tokens"] == 0
