@@ -631,7 +631,7 @@ class DeltaReceiver:
         self.deltas_applied += 1
         return int(sum(written))
 
-    def _read_anchor(self, step: int, m: dict) -> list[tuple[str, list[tuple[int, int, torch.Tensor]]]]:
+    def _read_anchor(self, step: int, m: dict) -> list[tuple[str, list[Piece]]]:
         """Every row of ``step``'s anchor this worker holds, read and CRC-checked, nothing written yet:
         per checkpoint tensor, (parameter id, first parameter element, wire bits) pieces."""
         by_name: dict[str, list] = {}
@@ -651,34 +651,36 @@ class DeltaReceiver:
             staged.append((name, pieces))
         return staged
 
-    def _write_anchor(self, step: int, staged: list[tuple[str, list[tuple[int, int, torch.Tensor]]]]) -> None:
+    def _write_anchor(self, step: int, staged: list[tuple[str, list[Piece]]]) -> None:
         for _, pieces in staged:
             for pid, pos, src in pieces:
                 dst = as_bits(self.params[pid].data)
-                dst[pos: pos + src.numel()] = src.to(dst.device)
+                if isinstance(pos, int):
+                    dst[pos: pos + src.numel()] = src.to(dst.device)
+                else:  # the scattered elements of many short runs, in one indexed copy
+                    dst.index_copy_(0, pos.to(dst.device), src.to(dst.device))
         self._shares, self._shares2 = self._full_shares([name for name, _ in staged])
         self.step = step
         self.anchor_loads += 1
 
-    def _read_tensor(self, name: str, runs: TensorRuns, entries: list, bits: int) -> list[tuple[int, int, torch.Tensor]]:
+    def _read_tensor(self, name: str, runs: TensorRuns, entries: list, bits: int) -> list[Piece]:
         itemsize = bits // 8
-        lo_held, hi_held = int(runs.ckpt_start.min()), int((runs.ckpt_start + runs.length).max())
-        pieces = []
+        cs, ln, pids, ps = runs.ckpt_start, runs.length, runs.param, runs.param_start
+        lo_held, hi_held = int(cs.min()), int((cs + ln).max())
+        for pid in np.unique(pids).tolist():
+            width = wire_width(as_bits(self.params[pid].data))
+            if width != bits:
+                raise fmt.IndexMapError(f"{name}: engine parameter has {width}-bit elements, checkpoint {bits}")
+        pieces: list[Piece] = []
         for path, start, e in entries:
             lo, hi = max(lo_held, e["start"]), min(hi_held, e["stop"])
             if lo >= hi:
                 continue
             raw = fmt.read_anchor_range(path, start, e, (lo - e["start"]) * itemsize, (hi - e["start"]) * itemsize)
             src = torch.from_numpy(np.frombuffer(raw, dtype=_BITS_NP[bits]).copy())
-            for cs, ln, pid, ps in zip(runs.ckpt_start.tolist(), runs.length.tolist(), runs.param.tolist(),
-                                       runs.param_start.tolist(), strict=True):
-                a, b = max(cs, lo), min(cs + ln, hi)
-                if a >= b:
-                    continue
-                width = wire_width(as_bits(self.params[pid].data))
-                if width != bits:
-                    raise fmt.IndexMapError(f"{name}: engine parameter has {width}-bit elements, checkpoint {bits}")
-                pieces.append((pid, ps + a - cs, src[a - lo: b - lo]))
+            a, b = np.maximum(cs, lo), np.minimum(cs + ln, hi)
+            sel = np.flatnonzero(a < b)
+            pieces.extend(_pieces(pids[sel], ps[sel] + a[sel] - cs[sel], a[sel] - lo, b[sel] - a[sel], src))
         return pieces
 
     def _full_shares(self, names: list[str]) -> tuple[dict[str, int], dict[str, int]]:
@@ -686,12 +688,13 @@ class DeltaReceiver:
         of every tensor in one ``checksum_pairs`` call (CPU parameters: over two threads)."""
         owners, views, offsets = [], [], []
         for name in names:
-            runs = self.imap.tensors[name]
-            for cs, ln, pid, ps in zip(runs.ckpt_start.tolist(), runs.length.tolist(), runs.param.tolist(),
-                                       runs.param_start.tolist(), strict=True):
+            for pid, ckpt, where in _spans(self.imap.tensors[name]):
+                bits = as_bits(self.params[pid].data)
                 owners.append(name)
-                views.append(as_bits(self.params[pid].data)[ps: ps + ln])
-                offsets.append(cs)
+                # many short runs (a repacked MoE expert) are gathered in one pass, not viewed run by run
+                views.append(bits[where[0]: where[1]] if isinstance(where, tuple)
+                             else bits.index_select(0, where.to(bits.device)))
+                offsets.append(ckpt)
         shares, shares2 = dict.fromkeys(names, 0), dict.fromkeys(names, 0)
         for name, (c1, c2) in zip(owners, checksum_pairs(views, offsets), strict=True):
             shares[name], shares2[name] = shares[name] + c1, checksum2_add(shares2[name], c2)
@@ -868,6 +871,63 @@ class DeltaReceiver:
                 f"trainer's tensors.<name>.{bad[0][1]} after the update, first {bad[0][0]}"
                 + (" (the position-weighted checksum matched: an edit whose weighted changes cancel)" if only2 else "")
                 + "; the next update reloads an anchor and replays")
+
+
+# An anchor piece: (parameter id, where, wire bits): ``where`` is the first parameter element of a
+# contiguous run, or an int64 tensor of the parameter elements ``bits`` fill, one each.
+Piece = tuple[int, "int | torch.Tensor", torch.Tensor]
+
+
+def _run_elements(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Every element of the runs ``[starts[i], starts[i] + lengths[i])``, run after run (int64)."""
+    total = int(lengths.sum())
+    first = np.cumsum(lengths) - lengths
+    return np.repeat(starts - first, lengths) + np.arange(total, dtype=np.int64)
+
+
+def _pieces(pids: np.ndarray, param_starts: np.ndarray, src_starts: np.ndarray, lengths: np.ndarray,
+            src: torch.Tensor) -> list[Piece]:
+    """The anchor pieces of runs of ``src``: a run of :data:`_SLICE_COMPARE_RUN` elements or more as one
+    slice, the shorter runs of each parameter together as one indexed piece (a repacked MoE expert's
+    anchor is millions of runs of a few elements; copying them one by one took minutes)."""
+    out: list[Piece] = []
+    long = lengths >= _SLICE_COMPARE_RUN
+    for r in np.flatnonzero(long).tolist():
+        out.append((int(pids[r]), int(param_starts[r]), src[src_starts[r]: src_starts[r] + lengths[r]]))
+    short = np.flatnonzero(~long)
+    for pid in np.unique(pids[short]).tolist():
+        mine = short[pids[short] == pid]
+        where = torch.from_numpy(_run_elements(param_starts[mine], lengths[mine]))
+        out.append((pid, where, src[torch.from_numpy(_run_elements(src_starts[mine], lengths[mine]))]))
+    return out
+
+
+def _spans(runs: TensorRuns) -> list[tuple[int, int, tuple[int, int] | torch.Tensor]]:
+    """What one tensor's checksum shares are taken over: (parameter id, first checkpoint element, where).
+    ``where`` is a (start, stop) slice of the parameter for a run of :data:`_SLICE_COMPARE_RUN` elements or
+    more; runs shorter than that which follow one another in the checkpoint on one parameter are joined
+    into one span whose parameter elements ``where`` lists (gathered before checksumming)."""
+    order = np.argsort(runs.ckpt_start, kind="stable")
+    cs, ln, pids, ps = runs.ckpt_start[order], runs.length[order], runs.param[order], runs.param_start[order]
+    short = ln < _SLICE_COMPARE_RUN
+    out: list = []
+    for r in np.flatnonzero(~short).tolist():
+        out.append((int(pids[r]), int(cs[r]), (int(ps[r]), int(ps[r] + ln[r]))))
+    idx = np.flatnonzero(short)
+    if len(idx):
+        # a new span where the checkpoint does not go on from the previous short run, or the parameter changes
+        cut = np.ones(len(idx), dtype=bool)
+        cut[1:] = (cs[idx[1:]] != cs[idx[:-1]] + ln[idx[:-1]]) | (pids[idx[1:]] != pids[idx[:-1]])
+        bounds = np.append(np.flatnonzero(cut), len(idx))
+        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+            group = idx[a:b]
+            if len(group) == 1:
+                r = int(group[0])
+                out.append((int(pids[r]), int(cs[r]), (int(ps[r]), int(ps[r] + ln[r]))))
+            else:
+                out.append((int(pids[group[0]]), int(cs[group[0]]),
+                            torch.from_numpy(_run_elements(ps[group], ln[group]))))
+    return out
 
 
 def _find_block(hay: torch.Tensor, needle: torch.Tensor, most: int = 8) -> list[int]:

@@ -406,3 +406,62 @@ def test_fused_staging_skips_tensors_this_worker_does_not_hold(run):
     held = {n for n, r in rx.imap.tensors.items() if r.held}
     assert set(staged["entry_names"]) <= held and staged["entry_names"]
     assert staged["idx_C"].numel() == int(staged["entry_offsets_E1"][-1]) and staged["val_C"].dtype == torch.int32
+
+
+def test_short_runs_are_written_and_checksummed_as_the_run_by_run_loop_does():
+    """A repacked MoE expert maps as many runs of a few elements: the anchor's indexed pieces write, and
+    the joined spans checksum, exactly what one slice and one checksum per run would."""
+    from rltune.sync.indexmap import TensorRuns
+    from rltune.sync.kernels import checksum_pairs
+    from rltune.sync.receiver import _SLICE_COMPARE_RUN, _pieces, _spans
+
+    rng = np.random.default_rng(7)
+    lengths = np.concatenate([rng.integers(1, 40, 3000), [_SLICE_COMPARE_RUN, _SLICE_COMPARE_RUN + 9]]).astype(np.int64)
+    rng.shuffle(lengths)
+    numel = int(lengths.sum())
+    ckpt_start = np.cumsum(lengths) - lengths
+    # two parameters (the tensor's halves); each run lands at a shuffled place (a tiled interleave moves every run)
+    pids = (ckpt_start >= numel // 2).astype(np.int64)
+    param_start = np.zeros(len(lengths), dtype=np.int64)
+    sizes = []
+    for pid in (0, 1):
+        mine = np.flatnonzero(pids == pid)
+        order = rng.permutation(mine)
+        param_start[order] = np.cumsum(lengths[order]) - lengths[order]
+        sizes.append(int(lengths[mine].sum()))
+    src = torch.from_numpy(rng.integers(-2**31, 2**31, numel, dtype=np.int64).astype(np.int32))
+    lo = 5  # the anchor slice read starts a few elements into the tensor: the first run is cut
+    a = np.maximum(ckpt_start, lo)
+    keep = np.flatnonzero(a < ckpt_start + lengths)
+    want = [torch.zeros(n, dtype=torch.int32) for n in sizes]
+    got = [torch.zeros(n, dtype=torch.int32) for n in sizes]
+    for r in keep.tolist():
+        p, b = int(param_start[r] + a[r] - ckpt_start[r]), int(ckpt_start[r] + lengths[r])
+        want[pids[r]][p: p + b - int(a[r])] = src[int(a[r]): b]
+    pieces = _pieces(pids[keep], param_start[keep] + a[keep] - ckpt_start[keep], a[keep] - lo,
+                     ckpt_start[keep] + lengths[keep] - a[keep], src[lo:])
+    assert sum(int(s.numel()) for _, _, s in pieces) == numel - lo
+    assert len(pieces) <= 2 + 2  # the two long runs as slices, each parameter's short runs as one piece
+    for pid, where, bits in pieces:
+        if isinstance(where, int):
+            got[pid][where: where + bits.numel()] = bits
+        else:
+            got[pid].index_copy_(0, where, bits)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    # Checksum shares over the joined spans equal the sum over every run's own slice.
+    runs = TensorRuns("w", numel, ckpt_start, lengths, pids, param_start)
+    spans = _spans(runs)
+    assert len(spans) < len(lengths) // 10
+    views = [want[pid][w[0]: w[1]] if isinstance(w, tuple) else want[pid][w] for pid, _, w in spans]
+    joined = checksum_pairs(views, [c for _, c, _ in spans])
+    per_run = checksum_pairs([want[int(p)][int(s): int(s + n)] for p, s, n in zip(pids, param_start, lengths, strict=True)],
+                             ckpt_start.tolist())
+    assert sum(c for c, _ in joined) % 2**64 == sum(c for c, _ in per_run) % 2**64
+    from rltune.sync.kernels.reference import checksum2_add
+
+    def total2(pairs):
+        acc = 0
+        for _, c2 in pairs:
+            acc = checksum2_add(acc, c2)
+        return acc
+    assert total2(joined) == total2(per_run)

@@ -7,6 +7,7 @@ import math
 import queue
 import random
 
+import pytest
 import torch
 
 from rltune.workload.engine import Engine, EngineSettings
@@ -101,3 +102,14 @@ def test_an_engine_samples_a_requests_tokens_from_its_key_whatever_shares_its_ba
     other = _serve(*_engine(), [(i, i, keys[i] ^ 1) for i in range(len(PROMPTS))])
     reseeded = _serve(*_engine(sample_seed=2), [(i, i, keys[i]) for i in range(len(PROMPTS))])
     assert other != together and reseeded != together
+
+
+@pytest.mark.gpu
+def test_a_gpu_draws_what_the_cpu_draws():
+    rng = random.Random(5)
+    values = EDGES + [rng.randrange(-(2**63), 2**63) for _ in range(2000)]
+    on_gpu = mix64_tensor(torch.tensor(values, dtype=torch.int64, device="cuda")).cpu()
+    assert torch.equal(on_gpu, mix64_tensor(torch.tensor(values, dtype=torch.int64)))
+    keys = torch.tensor([request_key(f"t{i}:0:0") for i in range(64)], dtype=torch.int64)
+    positions = torch.arange(64, dtype=torch.int64)
+    assert torch.equal(uniforms(keys.cuda(), positions.cuda(), 300).cpu(), uniforms(keys, positions, 300))
