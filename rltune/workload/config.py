@@ -107,7 +107,7 @@ class OrchestratorConfig:
     tasks_per_batch: int = field(8, doc="tasks (GRPO groups) per batch", min=1)
     trials_per_task: int = field(4, doc="trials per task; advantages compare within this group", min=1)
     max_sample_age: int = field(2, doc="fully async: groups older than this many weight versions are dropped, and rollout pauses so none gets older", min=0)
-    seed: int = field(0, doc="seed of sampling")
+    seed: int = field(0, doc="seed of sampling (each request draws from its own key under it)")
 
 
 @dataclass
