@@ -142,9 +142,9 @@ class EngineClient:
                 fut.set_exception(EngineError(text))
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float,
-                 sample_key: int = 0) -> tuple[int, Future]:
+                 sample_key: int) -> tuple[int, Future]:
         """Queue one request on the least loaded engine. ``sample_key`` names the request's random draws
-        (see :func:`rltune.workload.engine.request_key`): the same key, prompt and weights sample the same
+        (see :func:`rltune.workload.sampling.request_key`): the same key, prompt and weights sample the same
         tokens whichever engine serves it, next to whichever other requests."""
         fut: Future = Future()
         with self._lock:
